@@ -1,0 +1,83 @@
+"""Rank-0 progress reporting: console line, TensorBoard scalars, MFU and memory."""
+import os
+import resource
+import time
+
+import torch
+
+# Dense bf16 peak FLOP/s per GPU (no sparsity), from the vendors' data sheets.
+GPU_PEAK_FLOPS = {
+    "H200": 989e12, "H100": 989e12, "A100": 312e12, "A10G": 125e12, "L40S": 362e12,
+    "L4": 121e12, "A6000": 155e12, "4090": 165e12, "3090": 71e12, "V100": 125e12, "T4": 65e12,
+}
+
+
+def device_peak_flops(device: torch.device) -> float:
+    """Peak FLOP/s of one rank's device: the table for known GPUs, measured for a CPU."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        return next((flops for key, flops in GPU_PEAK_FLOPS.items() if key in name), 312e12)
+    n = 512
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b)  # warm up
+    start, repeats = time.perf_counter(), 20
+    for _ in range(repeats):
+        torch.mm(a, b)
+    return 2 * n ** 3 * repeats / (time.perf_counter() - start)
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Device memory on GPU; peak resident set size of this process on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # Linux reports KiB
+
+
+def _duration(seconds: float) -> str:
+    minutes, s = divmod(int(seconds), 60)
+    h, m = divmod(minutes, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+class ProgressLog:
+    """Created on every rank; only rank 0 prints and writes TensorBoard events."""
+
+    def __init__(self, enabled: bool, tensorboard_dir: str, max_iters: int, tokens_per_step: int,
+                 flops_per_token: int, peak_flops: float, device: torch.device):
+        self.enabled, self.max_iters, self.device = enabled, max_iters, device
+        self.tokens_per_step, self.flops_per_token, self.peak_flops = tokens_per_step, flops_per_token, peak_flops
+        self.writer = None
+        if enabled:
+            from torch.utils.tensorboard import SummaryWriter
+            os.makedirs(tensorboard_dir, exist_ok=True)
+            self.writer = SummaryWriter(log_dir=tensorboard_dir)
+        self.mark_time, self.mark_step = time.perf_counter(), None
+
+    def start(self, step: int) -> None:
+        """Begin timing from `step` (after start-up, eval and resume)."""
+        self.mark_time, self.mark_step = time.perf_counter(), step
+
+    def train(self, step: int, loss: float, lr: float, grad_norm: float) -> None:
+        now = time.perf_counter()
+        step_time = (now - self.mark_time) / max(step - self.mark_step, 1)
+        self.mark_time, self.mark_step = now, step
+        tokens_per_sec = self.tokens_per_step / step_time
+        mfu = tokens_per_sec * self.flops_per_token / self.peak_flops
+        mem = peak_memory_gb(self.device)
+        if not self.enabled:
+            return
+        for tag, value in (("train/loss", loss), ("train/lr", lr), ("train/grad_norm", grad_norm),
+                           ("perf/tokens_per_sec", tokens_per_sec), ("perf/mfu", mfu), ("mem/peak_gb", mem)):
+            self.writer.add_scalar(tag, value, step)
+        eta = _duration(step_time * (self.max_iters - step))
+        print(f"step {step}/{self.max_iters} | loss {loss:.4f} | lr {lr:.2e} | {tokens_per_sec:,.0f} tok/s "
+              f"| MFU {100 * mfu:.1f}% | mem {mem:.2f} GB | ETA {eta}", flush=True)
+
+    def val(self, step: int, loss: float) -> None:
+        if self.enabled:
+            self.writer.add_scalar("val/loss", loss, step)
+            print(f"step {step}/{self.max_iters} | val loss {loss:.4f}", flush=True)
+
+    def close(self) -> None:
+        if self.writer:
+            self.writer.close()

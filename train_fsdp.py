@@ -1,0 +1,250 @@
+"""Pretrain a GPT with FSDP2.  python train_fsdp.py CONFIG.yaml [--key=value ...]  (or under torchrun)
+
+Order of work: config -> process group and mesh -> data -> model on the meta device ->
+activation checkpointing -> compile -> fully_shard per DecoderBlock, then the root ->
+weights initialised on rank 0 and broadcast into the shards -> optimizer -> resume -> loop.
+"""
+import math
+import os
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+from config import UserError, parse_args, to_yaml
+from data import BatchLoader, prepare_data
+from fsdp_ckpt import CheckpointManager
+from metrics import ProgressLog, device_peak_flops
+from model import GPT, GPTConfig
+
+# strategy -> (mesh layout, reshard parameters after forward)
+STRATEGY_TABLE = {
+    "FULL_SHARD": ("flat", True),
+    "SHARD_GRAD_OP": ("flat", False),
+    "NO_SHARD": ("replicate", False),  # 2-D mesh (world, 1): shards of one rank = replication
+    "HYBRID_SHARD": ("hybrid", True),
+    "HYBRID_SHARD_ZERO2": ("hybrid", False),
+}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class Topology:
+    """Who this process is, computed once and passed down. Every rank is data-parallel."""
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    mesh: DeviceMesh | None  # None under DDP
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed() -> tuple[int, int, int, int, torch.device]:
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if torch.cuda.is_available():
+        device, backend = torch.device("cuda", local_rank), "nccl"
+        torch.cuda.set_device(device)
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    if "MASTER_ADDR" in os.environ:
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                              is_master=rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True",
+                              timeout=timedelta(minutes=30))
+        # a restarted group gets fresh keys: stale peer addresses of the last attempt break gloo
+        store = dist.PrefixStore(f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}", store)
+    else:  # plain `python train_fsdp.py`: a group of one
+        store = dist.HashStore()
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timedelta(minutes=30))
+    return rank, world, local_rank, local_world, device
+
+
+def build_mesh(cfg, world: int, local_world: int, device: torch.device) -> DeviceMesh | None:
+    if not cfg.fsdp:
+        return None
+    layout, _ = STRATEGY_TABLE[cfg.sharding_strategy]
+    if layout == "flat":
+        return init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
+    shard = 1 if layout == "replicate" else (cfg.fsdp_size or local_world)
+    if world % shard:
+        raise UserError(f"fsdp_size={shard} must divide the world size {world} for {cfg.sharding_strategy}: "
+                        f"launch a multiple of {shard} ranks or set --fsdp_size to a divisor of {world}")
+    return init_device_mesh(device.type, (world // shard, shard), mesh_dim_names=("replicate", "shard"))
+
+
+def compute_dtype(cfg, device: torch.device) -> torch.dtype:
+    if cfg.dtype != "auto":
+        return DTYPES[cfg.dtype]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+def build_model(cfg, gpt_cfg: GPTConfig, topo: Topology) -> torch.nn.Module:
+    with torch.device("meta"):
+        model = GPT(gpt_cfg)
+    model.activation_checkpointing = cfg.activation_checkpointing
+    if cfg.compile:
+        for block in model.blocks:
+            block.compile()
+    param_device = topo.device
+    if cfg.fsdp:
+        _, reshard = STRATEGY_TABLE[cfg.sharding_strategy]
+        dtype = compute_dtype(cfg, topo.device)
+        shard_args = dict(mesh=topo.mesh, mp_policy=MixedPrecisionPolicy(
+            param_dtype=None if dtype == torch.float32 else dtype, reduce_dtype=DTYPES[cfg.reduce_dtype]))
+        if cfg.cpu_offload:
+            shard_args["offload_policy"] = CPUOffloadPolicy(pin_memory=topo.device.type == "cuda")
+            param_device = torch.device("cpu")
+        for i, block in enumerate(model.blocks):
+            # the last block's parameters are needed first in backward: keep them gathered
+            fully_shard(block, reshard_after_forward=reshard and i < len(model.blocks) - 1, **shard_args)
+        fully_shard(model, **shard_args)  # the root: embeddings, final norm, tied LM head
+    model.to_empty(device=param_device)
+    # Same seed, same weights for any world size: rank 0 alone builds the full model (host
+    # memory) and the weights are broadcast one tensor at a time into every rank's shards.
+    full_state = {}
+    if topo.is_main:
+        torch.manual_seed(cfg.seed)
+        full_state = GPT(gpt_cfg).state_dict()
+    set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    if not cfg.fsdp:
+        model = DistributedDataParallel(model, device_ids=[topo.device.index] if topo.device.type == "cuda" else None)
+    return model
+
+
+def build_optimizer(cfg, model: torch.nn.Module, device: torch.device) -> torch.optim.AdamW:
+    # weight decay on matmul and embedding weights; none on biases and LayerNorm parameters
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        (no_decay if name.endswith("bias") or ".ln_" in name or "ln_f" in name else decay).append(p)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),
+                             fused=device.type == "cuda")
+
+
+def lr_at(cfg, step: int) -> float:
+    """Linear warmup over steps 1..warmup_iters, cosine down to min_lr at lr_decay_iters."""
+    if step <= cfg.warmup_iters:
+        return cfg.learning_rate * step / cfg.warmup_iters
+    if step >= cfg.lr_decay_iters:
+        return cfg.min_lr
+    progress = (step - cfg.warmup_iters) / (cfg.lr_decay_iters - cfg.warmup_iters)
+    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.learning_rate - cfg.min_lr)
+
+
+def set_gradient_sync(model: torch.nn.Module, enabled: bool) -> None:
+    """Reduce gradients only on the last micro-step: one reduction per optimizer step."""
+    if isinstance(model, DistributedDataParallel):
+        model.require_backward_grad_sync = enabled
+    else:
+        model.set_requires_gradient_sync(enabled)
+
+
+@torch.no_grad()
+def evaluate(model, loader: BatchLoader, n_windows: int, device: torch.device) -> float:
+    """Mean loss over the first n_windows val windows, whatever the world size."""
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=device)  # (loss sum, window count)
+    for x, y, weight in loader.val_batches(n_windows):
+        logits, _ = model(x)
+        per_window = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none").view_as(y).mean(1)
+        total += torch.stack([(per_window * weight).sum(), weight.sum()]).double()
+    dist.all_reduce(total)
+    model.train()
+    return (total[0] / total[1]).item()
+
+
+def train(cfg) -> None:
+    rank, world, local_rank, local_world, device = init_distributed()
+    topo = Topology(rank, world, local_rank, local_world, device, build_mesh(cfg, world, local_world, device))
+    if cfg.train_batch % (cfg.micro_batch * world):
+        raise UserError(f"train_batch={cfg.train_batch} must be a multiple of micro_batch={cfg.micro_batch} "
+                        f"x {world} ranks = {cfg.micro_batch * world}")
+    accum_steps = cfg.train_batch // (cfg.micro_batch * world)
+    meta = prepare_data(cfg.data_path, cfg.data_source, cfg.tokenizer)
+    if cfg.vocab_size is None:
+        cfg.vocab_size = -(-meta["vocab_size"] // 64) * 64
+    if cfg.vocab_size < meta["vocab_size"]:
+        raise UserError(f"vocab_size={cfg.vocab_size} is smaller than the tokenizer's {meta['vocab_size']} tokens")
+    gpt_cfg = GPTConfig(**cfg.model_shape, dropout=cfg.dropout)
+    if topo.is_main:
+        print(to_yaml(cfg), end="")
+        if cfg.world_size not in (None, world):
+            print(f"note: config written for world_size={cfg.world_size}, launched with {world} ranks; "
+                  f"train_batch={cfg.train_batch} stays global, so accumulation is now {accum_steps} micro-steps")
+        print(f"{world} ranks, {cfg.sharding_strategy if cfg.fsdp else 'DDP'}, mesh {topo.mesh}, "
+              f"gradient accumulation {accum_steps}", flush=True)
+    model = build_model(cfg, gpt_cfg, topo)
+    n_params = sum(p.numel() for p in model.parameters())
+    if topo.is_main:
+        print(f"parameters: {n_params:,} ({n_params / 1e6:.1f}M)", flush=True)
+    optimizer = build_optimizer(cfg, model, device)
+    ckpt = CheckpointManager(cfg, topo)
+    step = ckpt.resume(cfg.resume_from, model, optimizer)
+    loader = BatchLoader(cfg.data_path, meta, cfg.block_size, cfg.train_batch, cfg.micro_batch,
+                         rank, world, cfg.seed, device)
+    tokens_per_step = cfg.train_batch * cfg.block_size
+    log = ProgressLog(topo.is_main, cfg.tensorboard_dir, cfg.max_iters, tokens_per_step,
+                      GPT.flops_per_token(model.module if not cfg.fsdp else model),
+                      device_peak_flops(device) * world, device)
+    scaler = torch.amp.GradScaler(device.type, enabled=compute_dtype(cfg, device) == torch.float16)
+    n_val_windows = cfg.eval_iters * cfg.train_batch
+    if step == 0:
+        log.val(0, evaluate(model, loader, n_val_windows, device))
+    log.start(step)
+    while step < cfg.max_iters:
+        step += 1
+        lr = lr_at(cfg, step)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        torch.manual_seed(cfg.seed + 1_000_003 * step + rank)  # dropout masks: a function of (step, rank)
+        loss_sum = torch.zeros((), device=device)
+        for micro_step, (x, y) in enumerate(loader.micro_batches(step)):
+            set_gradient_sync(model, micro_step == accum_steps - 1)
+            _, loss = model(x, y)
+            scaler.scale(loss / accum_steps).backward()
+            loss_sum += loss.detach()
+        scaler.unscale_(optimizer)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        last = step == cfg.max_iters
+        if step % cfg.log_interval == 0 or last:
+            dist.all_reduce(loss_sum)  # every rank's share: the loss of the whole global batch
+            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+            log.train(step, loss_sum.item() / (accum_steps * world), lr, grad_norm.item())
+        if step % cfg.eval_interval == 0 or last:
+            log.val(step, evaluate(model, loader, n_val_windows, device))
+        if step % cfg.save_interval == 0 or last:
+            ckpt.save(step, model, optimizer)
+    ckpt.close()
+    log.close()
+    if topo.is_main:
+        print(f"done: checkpoints in {cfg.checkpoint_dir}/, TensorBoard logs in {cfg.tensorboard_dir}/", flush=True)
+    dist.destroy_process_group()
+
+
+def main(argv: list[str]) -> int:
+    try:
+        train(parse_args(argv))
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
