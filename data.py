@@ -122,22 +122,20 @@ def _prepare(data_path: str, data_source, tokenizer_name: str) -> None:
         stream = np.concatenate(splits["train"] + splits["val"])
         cut = int(len(stream) * (1 - 1 / VAL_EVERY))
         splits = {"train": [stream[:cut]], "val": [stream[cut:]]}
-    counts = {}
-    for split, arrays in splits.items():
-        tokens = np.concatenate(arrays)
-        counts[split] = int(tokens.size)
-        _write_atomically(os.path.join(data_path, f"{split}.bin"), lambda f: f.write(tokens.tobytes()))
+    tokens = {split: np.concatenate(arrays) for split, arrays in splits.items()}
     meta = {"tokenizer": tokenizer_name, "vocab_size": tokenizer.n_vocab, "eot_token": tokenizer.eot_token,
-            "dtype": np.dtype(dtype).name, "train_tokens": counts["train"], "val_tokens": counts["val"],
-            "sources": data_source}
-    # meta.json last: its presence is what marks the folder as prepared
+            "dtype": np.dtype(dtype).name, "train_tokens": int(tokens["train"].size),
+            "val_tokens": int(tokens["val"].size), "sources": data_source}
+    # meta.json first, the bins after: a folder counts as prepared only once both bins exist,
+    # and a crash part-way leaves a meta.json that stops it passing for nanoGPT's format
     _write_atomically(os.path.join(data_path, "meta.json"), lambda f: f.write(json.dumps(meta, indent=1).encode()))
-    print(f"prepared {counts['train']:,} train and {counts['val']:,} val tokens in {data_path}", flush=True)
+    for split in ("train", "val"):
+        _write_atomically(os.path.join(data_path, f"{split}.bin"), lambda f: f.write(tokens[split].tobytes()))
+    print(f"prepared {meta['train_tokens']:,} train and {meta['val_tokens']:,} val tokens in {data_path}", flush=True)
 
 
 def _is_prepared(data_path: str) -> bool:
-    has_bins = all(os.path.isfile(os.path.join(data_path, f"{s}.bin")) for s in ("train", "val"))
-    return os.path.isfile(os.path.join(data_path, "meta.json")) or has_bins
+    return all(os.path.isfile(os.path.join(data_path, f"{s}.bin")) for s in ("train", "val"))
 
 
 def prepare_data(data_path: str, data_source, tokenizer: str) -> dict:
@@ -155,8 +153,8 @@ def prepare_data(data_path: str, data_source, tokenizer: str) -> dict:
             if not _is_prepared(data_path):
                 _prepare(data_path, data_source, tokenizer)
     meta_path = os.path.join(data_path, "meta.json")
-    if not os.path.isfile(meta_path):  # nanoGPT's format: uint16 ids from the configured tokenizer
-        return {"tokenizer": tokenizer, "vocab_size": get_tokenizer(tokenizer).n_vocab, "dtype": "uint16"}
+    if not os.path.isfile(meta_path):  # nanoGPT's format: uint16 ids of the configured tokenizer
+        return {"tokenizer": tokenizer, "vocab_size": None, "dtype": "uint16"}
     with open(meta_path) as f:
         meta = json.load(f)
     if meta["tokenizer"] != tokenizer:

@@ -15,11 +15,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from config import UserError, parse_args, to_yaml
-from data import BatchLoader, prepare_data
+from data import BatchLoader, get_tokenizer, prepare_data
 from fsdp_ckpt import CheckpointManager
 from metrics import ProgressLog, device_peak_flops
 from model import GPT, GPTConfig
@@ -162,6 +162,12 @@ def evaluate(model, loader: BatchLoader, n_windows: int, device: torch.device) -
         per_window = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none").view_as(y).mean(1)
         total += torch.stack([(per_window * weight).sum(), weight.sum()]).double()
     dist.all_reduce(total)
+    # with no backward to follow, FSDP leaves units that skip resharding after forward (the
+    # root, the last block, all under SHARD_GRAD_OP) gathered: free them, and let the
+    # parameters seen by checkpoints be the sharded ones again
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
     model.train()
     return (total[0] / total[1]).item()
 
@@ -175,8 +181,9 @@ def train(cfg) -> None:
     accum_steps = cfg.train_batch // (cfg.micro_batch * world)
     meta = prepare_data(cfg.data_path, cfg.data_source, cfg.tokenizer)
     if cfg.vocab_size is None:
-        cfg.vocab_size = -(-meta["vocab_size"] // 64) * 64
-    if cfg.vocab_size < meta["vocab_size"]:
+        tokenizer_vocab = meta["vocab_size"] or get_tokenizer(meta["tokenizer"]).n_vocab
+        cfg.vocab_size = -(-tokenizer_vocab // 64) * 64
+    if cfg.vocab_size < (meta["vocab_size"] or 0):
         raise UserError(f"vocab_size={cfg.vocab_size} is smaller than the tokenizer's {meta['vocab_size']} tokens")
     gpt_cfg = GPTConfig(**cfg.model_shape, dropout=cfg.dropout)
     if topo.is_main:

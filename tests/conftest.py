@@ -1,0 +1,67 @@
+"""Shared helpers: a tiny corpus, a tiny model config, and launching the real trainer."""
+import glob
+import os
+import socket
+import subprocess
+import sys
+import sysconfig
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEMO = os.path.join(ROOT, "config", "demo_cpu.yaml")
+
+# fp32, no dropout: runs that must agree step by step
+TINY = dict(n_layer=2, n_head=2, n_embd=64, block_size=32, dropout=0.0, dtype="fp32", train_batch=8,
+            micro_batch=2, max_iters=8, warmup_iters=2, lr_decay_iters=8, learning_rate=3e-3, min_lr=3e-4,
+            log_interval=1, eval_interval=4, eval_iters=1, save_interval=1000, tokenizer="bytes", seed=7)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def trainer_cmd(nproc: int) -> list[str]:
+    if nproc == 1:
+        return [sys.executable, os.path.join(ROOT, "train_fsdp.py")]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            os.path.join(ROOT, "train_fsdp.py")]
+
+
+def overrides(**kwargs) -> list[str]:
+    return [f"--{k}={'null' if v is None else v}" for k, v in kwargs.items()]
+
+
+def run_trainer(run_dir, nproc=1, config=DEMO, timeout=300, check=True, launcher=None, **kwargs):
+    """Run train_fsdp.py (under torchrun for nproc > 1) with TINY settings plus kwargs."""
+    settings = dict(TINY, checkpoint_dir=os.path.join(run_dir, "ckpt"),
+                    tensorboard_dir=os.path.join(run_dir, "tb")) | kwargs
+    cmd = (launcher or trainer_cmd(nproc)) + [config] + overrides(**settings)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    result = subprocess.run(cmd, cwd=run_dir, env=env, capture_output=True, text=True, timeout=timeout)
+    if check and result.returncode != 0:
+        raise AssertionError(f"trainer failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
+    return result
+
+
+def scalars(tb_dir: str, tag: str) -> dict[int, float]:
+    """{step: value} of one TensorBoard tag across every events file in tb_dir."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    values = {}
+    for path in sorted(glob.glob(os.path.join(tb_dir, "events.*"))):
+        acc = EventAccumulator(path, size_guidance={"scalars": 0})
+        acc.Reload()
+        if tag in acc.Tags()["scalars"]:
+            values |= {e.step: e.value for e in acc.Scalars(tag)}
+    return values
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> dict:
+    """A small byte-level dataset prepared once from a few standard-library modules."""
+    stdlib = sysconfig.get_paths()["stdlib"]
+    data_path = str(tmp_path_factory.mktemp("data") / "tiny")
+    source = os.path.join(stdlib, "json", "*.py")
+    return dict(data_path=data_path, data_source=f"[{source}, {os.path.join(stdlib, 'email', '*.py')}]")
