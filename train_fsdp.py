@@ -50,7 +50,7 @@ class Topology:
         return self.rank == 0
 
 
-def init_distributed() -> tuple[int, int, int, int, torch.device]:
+def init_distributed(cfg) -> Topology:
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     if torch.cuda.is_available():
@@ -67,7 +67,7 @@ def init_distributed() -> tuple[int, int, int, int, torch.device]:
     else:  # plain `python train_fsdp.py`: a group of one
         store = dist.HashStore()
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timedelta(minutes=30))
-    return rank, world, local_rank, local_world, device
+    return Topology(rank, world, local_rank, local_world, device, build_mesh(cfg, world, local_world, device))
 
 
 def build_mesh(cfg, world: int, local_world: int, device: torch.device) -> DeviceMesh | None:
@@ -173,8 +173,8 @@ def evaluate(model, loader: BatchLoader, n_windows: int, device: torch.device) -
 
 
 def train(cfg) -> None:
-    rank, world, local_rank, local_world, device = init_distributed()
-    topo = Topology(rank, world, local_rank, local_world, device, build_mesh(cfg, world, local_world, device))
+    topo = init_distributed(cfg)
+    rank, world, device = topo.rank, topo.world_size, topo.device
     if cfg.train_batch % (cfg.micro_batch * world):
         raise UserError(f"train_batch={cfg.train_batch} must be a multiple of micro_batch={cfg.micro_batch} "
                         f"x {world} ranks = {cfg.micro_batch * world}")

@@ -1,0 +1,101 @@
+"""Bad input: one clear line naming the problem, a non-zero exit, no traceback."""
+import os
+import shutil
+
+import pytest
+import torch
+
+from conftest import ROOT, run_trainer
+
+
+def assert_one_line_error(result, *phrases):
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr + result.stdout
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, result.stderr
+    for phrase in phrases:
+        assert phrase in errors[0], errors[0]
+
+
+@pytest.mark.parametrize("override, phrases", [
+    ({"learning_rat": 0.1}, ["unknown config key 'learning_rat'", "did you mean 'learning_rate'"]),
+    ({"max_iters": "many"}, ["'max_iters'", "must be int"]),
+    ({"fsdp": 3}, ["'fsdp'", "must be bool"]),
+    ({"train_batch": 10, "micro_batch": 4}, ["micro_batch=4 must divide train_batch=10"]),
+    ({"n_embd": 64, "n_head": 5}, ["n_head=5 must divide n_embd=64"]),
+    ({"sharding_strategy": "ZERO3"}, ["sharding_strategy 'ZERO3'"]),
+    ({"data_source": None, "data_path": "no/such/folder"}, ["no prepared data in 'no/such/folder'"]),
+    ({"data_source": "no/such/*.txt"}, ["data_source 'no/such/*.txt' matches no file"]),
+])
+def test_bad_config(override, phrases, corpus, tmp_path):
+    result = run_trainer(str(tmp_path), check=False, **(corpus | override))
+    assert_one_line_error(result, *phrases)
+
+
+def test_missing_config_file(tmp_path):
+    result = run_trainer(str(tmp_path), config="nope.yaml", check=False)
+    assert_one_line_error(result, "config file not found: nope.yaml")
+
+
+@pytest.fixture(scope="module")
+def checkpoints(corpus, tmp_path_factory):
+    """One full and one sharded checkpoint of step 2 from a tiny run."""
+    run_dir = str(tmp_path_factory.mktemp("ckpts"))
+    run_trainer(run_dir, max_iters=2, save_interval=2, checkpoint_type="sharded", **corpus)
+    run_trainer(run_dir, max_iters=2, save_interval=2, **corpus)
+    return os.path.join(run_dir, "ckpt")
+
+
+def copy_of(checkpoints, tmp_path) -> str:
+    target = str(tmp_path / "ckpt")
+    shutil.copytree(checkpoints, target)
+    return target
+
+
+def test_truncated_checkpoint(checkpoints, corpus, tmp_path):
+    path = os.path.join(copy_of(checkpoints, tmp_path), "fsdp_cpt2.pth")
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+    result = run_trainer(str(tmp_path), resume_from=path, check=False, **corpus)
+    assert_one_line_error(result, path, "corrupt or truncated")
+
+
+def test_garbage_checkpoint(corpus, tmp_path):
+    path = str(tmp_path / "fsdp_cpt9.pth")
+    with open(path, "wb") as f:
+        f.write(os.urandom(4096))
+    result = run_trainer(str(tmp_path), resume_from=path, check=False, **corpus)
+    assert_one_line_error(result, path, "corrupt or truncated")
+
+
+def test_checkpoint_of_another_shape(checkpoints, corpus, tmp_path):
+    path = os.path.join(checkpoints, "fsdp_cpt2.pth")
+    result = run_trainer(str(tmp_path), resume_from=path, n_embd=32, check=False, **corpus)
+    assert_one_line_error(result, "n_embd=64", "n_embd=32", "--n_embd=64")
+
+
+def test_missing_rank_file(checkpoints, corpus, tmp_path):
+    directory = copy_of(checkpoints, tmp_path)
+    os.remove(os.path.join(directory, "fsdp_sharded_cpt2_rank0.pth"))
+    marker = torch.load(os.path.join(directory, "fsdp_sharded_cpt2.complete"), weights_only=True)
+    assert marker["world_size"] == 1
+    result = run_trainer(str(tmp_path), resume_from=os.path.join(directory, "fsdp_sharded_cpt2_rank{rank}.pth"),
+                         check=False, **corpus)
+    assert_one_line_error(result, "not found", "fsdp_sharded_cpt2_rank0.pth")
+
+
+def test_incomplete_sharded_checkpoint(checkpoints, corpus, tmp_path):
+    directory = copy_of(checkpoints, tmp_path)
+    os.remove(os.path.join(directory, "fsdp_sharded_cpt2.complete"))
+    result = run_trainer(str(tmp_path), resume_from=os.path.join(directory, "fsdp_sharded_cpt2_rank0.pth"),
+                         check=False, **corpus)
+    assert_one_line_error(result, "incomplete")
+
+
+@pytest.mark.slow
+def test_world_size_that_does_not_fit_the_mesh(corpus, tmp_path):
+    result = run_trainer(str(tmp_path), nproc=2, sharding_strategy="HYBRID_SHARD", fsdp_size=3, check=False, **corpus)
+    assert result.returncode != 0
+    # torchrun reports its failed child with a traceback of its own; none from this project
+    assert f'File "{ROOT}' not in result.stderr and "[rank0]: Traceback" not in result.stderr
+    assert "error: fsdp_size=3 must divide the world size 2" in result.stderr
