@@ -1,0 +1,35 @@
+"""Config: defaults < YAML < --key=value, values read as a user means them."""
+import pytest
+
+from config import TrainConfig, UserError, parse_args
+from conftest import DEMO
+
+
+def test_overrides_read_as_meant_and_last_wins():
+    cfg = parse_args([DEMO, "--learning_rate=3e-3", "--compile=true", "--fsdp_size=null", "--max_iters=5",
+                      "--max_iters", "7", "--data_source=[a.txt, b/*.md]"])
+    assert cfg.learning_rate == 3e-3 and isinstance(cfg.learning_rate, float)
+    assert cfg.compile is True and cfg.fsdp_size is None and cfg.max_iters == 7
+    assert cfg.data_source == ["a.txt", "b/*.md"]
+    assert cfg.n_layer == 4  # from the YAML file
+    assert cfg.beta2 == TrainConfig.beta2  # from the defaults
+
+
+def test_yaml_scientific_notation_without_dot(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("learning_rate: 3e-3\nmax_iters: 10\n")
+    assert parse_args([str(path)]).learning_rate == 3e-3
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--lr=1"], "unknown config key 'lr'"),
+    (["--n_layer=2.5"], "'n_layer'"),
+    (["--bias=yes please"], "'bias'"),
+    (["--micro_batch=3"], "micro_batch=3 must divide train_batch=32"),
+    (["--dtype=fp8"], "dtype 'fp8'"),
+    (["--checkpoint_type=zip"], "checkpoint_type"),
+    (["stray"], "unexpected argument 'stray'"),
+])
+def test_rejected(argv, message):
+    with pytest.raises(UserError, match=message):
+        parse_args([DEMO] + argv)

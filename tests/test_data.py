@@ -1,0 +1,115 @@
+"""Data preparation (atomic, shared safely) and the loader's global-batch determinism."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import data
+from conftest import ROOT
+from config import UserError
+
+
+def write_corpus(folder, n_docs=40):
+    os.makedirs(folder, exist_ok=True)
+    for i in range(n_docs):
+        with open(os.path.join(folder, f"doc{i:02d}.txt"), "w") as f:
+            f.write(f"document {i}: " + "the quick brown fox jumps over the lazy dog. " * 20)
+    return folder
+
+
+def test_prepare_writes_bins_and_meta(tmp_path):
+    source = write_corpus(tmp_path / "src")
+    meta = data.prepare_data(str(tmp_path / "d"), str(source), "bytes")
+    assert meta["dtype"] == "uint16" and meta["vocab_size"] == 256
+    train = np.memmap(tmp_path / "d" / "train.bin", dtype=np.uint16, mode="r")
+    val = np.memmap(tmp_path / "d" / "val.bin", dtype=np.uint16, mode="r")
+    assert len(train) == meta["train_tokens"] and len(val) == meta["val_tokens"]
+    assert (train == 0).sum() == 38 and (val == 0).sum() == 2  # every 20th document goes to val
+    assert bytes(train[:10].astype(np.uint8)) == b"document 0"
+
+
+def test_jsonl_and_uint32_for_large_vocabularies(tmp_path):
+    path = tmp_path / "corpus.jsonl"
+    path.write_text("\n".join(json.dumps({"text": f"line {i} of text"}) for i in range(30)))
+    meta = data.prepare_data(str(tmp_path / "d"), str(path), "cl100k_base")  # ships offline, 100k tokens
+    assert meta["dtype"] == "uint32" and meta["vocab_size"] > 65536
+    enc = data.get_tokenizer("cl100k_base")
+    train = np.memmap(tmp_path / "d" / "train.bin", dtype=np.uint32, mode="r")
+    assert enc.decode(list(train[:4])) .startswith("line 0 of")
+
+
+def test_crash_midway_is_never_used_and_is_redone(tmp_path, monkeypatch):
+    source = write_corpus(tmp_path / "src")
+    real = data._write_atomically
+
+    def crash_on_val(path, write):
+        if path.endswith("val.bin"):
+            raise KeyboardInterrupt("killed")
+        real(path, write)
+
+    monkeypatch.setattr(data, "_write_atomically", crash_on_val)
+    with pytest.raises(KeyboardInterrupt):
+        data.prepare_data(str(tmp_path / "d"), str(source), "bytes")
+    assert not data._is_prepared(str(tmp_path / "d"))
+    monkeypatch.setattr(data, "_write_atomically", real)
+    meta = data.prepare_data(str(tmp_path / "d"), str(source), "bytes")
+    assert os.path.getsize(tmp_path / "d" / "val.bin") == 2 * meta["val_tokens"]
+
+
+def test_concurrent_preparation_prepares_once(tmp_path):
+    source = write_corpus(tmp_path / "src", n_docs=400)
+    code = f"import sys; sys.path.insert(0, {ROOT!r}); import data; data.prepare_data({str(tmp_path / 'd')!r}, {str(source)!r}, 'bytes')"
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True) for _ in range(4)]
+    outputs = [p.communicate(timeout=120)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert sum("preparing" in out for out in outputs) == 1
+
+
+def test_nanogpt_raw_bins_are_used_as_they_are(tmp_path):
+    (tmp_path / "d").mkdir()
+    np.arange(1000, dtype=np.uint16).tofile(tmp_path / "d" / "train.bin")
+    np.arange(500, dtype=np.uint16).tofile(tmp_path / "d" / "val.bin")
+    meta = data.prepare_data(str(tmp_path / "d"), None, "gpt2")
+    assert meta == {"tokenizer": "gpt2", "vocab_size": None, "dtype": "uint16"}
+    loader = data.BatchLoader(str(tmp_path / "d"), meta, 8, 4, 2, 0, 1, 0, torch.device("cpu"))
+    x, y = next(loader.micro_batches(1))
+    assert torch.equal(y[:, :-1], x[:, 1:]) and torch.equal(x[:, 1] - x[:, 0], torch.ones(2, dtype=torch.long))
+
+
+def test_missing_data_is_a_user_error(tmp_path):
+    with pytest.raises(UserError, match="no prepared data"):
+        data.prepare_data(str(tmp_path / "none"), None, "bytes")
+
+
+def global_batch(data_path, meta, step, dp_size, micro_batch, train_batch=8):
+    rows = []
+    for rank in range(dp_size):
+        loader = data.BatchLoader(data_path, meta, 16, train_batch, micro_batch, rank, dp_size, 3, torch.device("cpu"))
+        rows += [x for x, _ in loader.micro_batches(step)]
+    return torch.cat(rows)
+
+
+def test_global_batch_depends_on_seed_and_step_alone(tmp_path):
+    meta = data.prepare_data(str(tmp_path / "d"), str(write_corpus(tmp_path / "src")), "bytes")
+    reference = global_batch(str(tmp_path / "d"), meta, 5, 1, 8)
+    for dp_size, micro in ((1, 2), (2, 1), (2, 4), (4, 2), (8, 1)):
+        assert torch.equal(global_batch(str(tmp_path / "d"), meta, 5, dp_size, micro), reference)
+    assert not torch.equal(global_batch(str(tmp_path / "d"), meta, 6, 1, 8), reference)
+
+
+def test_val_windows_cover_the_same_tokens_for_any_world_size(tmp_path):
+    meta = data.prepare_data(str(tmp_path / "d"), str(write_corpus(tmp_path / "src")), "bytes")
+    for dp_size in (1, 3, 4):
+        seen = []
+        for rank in range(dp_size):
+            loader = data.BatchLoader(str(tmp_path / "d"), meta, 16, 8, 2, rank, dp_size, 3, torch.device("cpu"))
+            batches = list(loader.val_batches(10))
+            assert len(batches) == -(-(-(-10 // dp_size)) // 2)  # same count on every rank
+            seen += [x[i] for x, _, w in batches for i in range(len(w)) if w[i] == 1]
+        val = np.memmap(tmp_path / "d" / "val.bin", dtype=np.uint16, mode="r")
+        expected = [tuple(val[i * 16:i * 16 + 16].tolist()) for i in range(10)]
+        assert sorted(tuple(x.tolist()) for x in seen) == sorted(expected)

@@ -1,0 +1,39 @@
+"""model.GPT: shapes, tying, initialisation, and the FLOPs formula against PyTorch's counter."""
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from model import GPT, GPTConfig
+
+
+def test_forward_shapes_tying_and_initial_loss():
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=256, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    model = GPT(cfg)
+    idx = torch.randint(0, 256, (3, 16))
+    logits, loss = model(idx, torch.randint(0, 256, (3, 16)))
+    assert logits.shape == (3, 16, 256)
+    assert model.lm_head.weight is model.wte.weight
+    assert abs(loss.item() - torch.log(torch.tensor(256.0)).item()) < 0.2  # near-uniform at init
+    assert model.num_params() == sum(p.numel() for p in model.parameters())
+
+
+def test_generate_is_deterministic_for_a_seed():
+    model = GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=16)).eval()
+    start = torch.zeros(1, 1, dtype=torch.long)
+    runs = [model.generate(start, 20, top_k=10, generator=torch.Generator().manual_seed(3)) for _ in range(2)]
+    assert runs[0].shape == (1, 21) and torch.equal(*runs)
+
+
+@pytest.mark.parametrize("shape", [
+    dict(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=128),  # demo
+    dict(vocab_size=50304, block_size=1024, n_layer=12, n_head=10, n_embd=640),  # 90M
+])
+def test_flops_formula_matches_flop_counter(shape):
+    with torch.device("meta"):
+        model = GPT(GPTConfig(**shape))
+        idx = torch.zeros(1, shape["block_size"], dtype=torch.long)
+    with FlopCounterMode(display=False) as counter:
+        model(idx, idx)[1].backward()
+    counted_per_token = counter.get_total_flops() / shape["block_size"]
+    assert model.flops_per_token() == pytest.approx(counted_per_token, rel=0.05)
