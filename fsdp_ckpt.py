@@ -12,6 +12,7 @@ dropout RNG are functions of (seed, step), so `step` restores both.
 import glob
 import os
 import re
+import threading
 
 import torch
 import torch.distributed as dist
@@ -113,6 +114,14 @@ def _fill(target: torch.Tensor, pieces: list[dict]) -> None:
         local.copy_(_assemble(pieces, offset, local.shape[0]))
 
 
+def _write(writes: list, pending: dict) -> None:
+    try:
+        for obj, path in writes:
+            save_atomically(obj, path)
+    except OSError as e:  # reported on the training thread by CheckpointManager.wait()
+        pending["error"] = e
+
+
 def _agree(fn):
     """Run fn on this rank; if any rank raised UserError, every rank raises the first one.
 
@@ -133,6 +142,7 @@ def _agree(fn):
 class CheckpointManager:
     def __init__(self, cfg, topo):
         self.cfg, self.topo, self.dir = cfg, topo, cfg.checkpoint_dir
+        self._pending = None  # the save being written: step, paths, thread, error
         if topo.is_main:
             os.makedirs(self.dir, exist_ok=True)
         dist.barrier()
@@ -144,26 +154,49 @@ class CheckpointManager:
                 "config": to_dict(cfg), "train_state": {"next_step": step + 1, "seed": cfg.seed}}
 
     def save(self, step: int, model, optimizer) -> None:
+        """Copy the state off the training tensors, then write it (in the background with async_save)."""
+        self.wait()  # one save in flight at a time
         if self.cfg.checkpoint_type == "full":
-            # collectives on every rank; rank 0 alone receives the full dicts and writes
-            model_sd = get_model_state_dict(model, options=FULL_OPTIONS)
-            optim_sd = get_optimizer_state_dict(model, optimizer, options=FULL_OPTIONS)
-            path = os.path.join(self.dir, f"fsdp_cpt{step}.pth")
-            if self.topo.is_main:
-                save_atomically(self._header(step) | {"model": model_sd, "optimizer": optim_sd}, path)
+            # collectives on every rank; rank 0 alone receives the full dicts (host copies) and writes
+            state = {"model": get_model_state_dict(model, options=FULL_OPTIONS),
+                     "optimizer": get_optimizer_state_dict(model, optimizer, options=FULL_OPTIONS)}
+            path, marker = os.path.join(self.dir, f"fsdp_cpt{step}.pth"), None
+            if self.cfg.async_save:  # a 1-rank gather may alias the live tensors: own the bytes
+                state = torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, state)
+            writes = [(self._header(step) | state, path)] if self.topo.is_main else []
         else:
             names = {p: name for name, p in model.named_parameters()}
             state = {"model": {name: _pieces(p) for p, name in names.items()},
                      "optimizer": {names[p]: {k: _pieces(v) if v.dim() else v.clone() for k, v in s.items()}
                                    for p, s in optimizer.state.items()},
                      "rank": self.topo.rank, "world_size": self.topo.world_size}
-            save_atomically(self._header(step) | state, shard_path(self.dir, step, self.topo.rank))
+            path, marker = shard_path(self.dir, step, self.topo.rank), marker_path(self.dir, step)
+            writes = [(self._header(step) | state, path)]
+        self._pending = {"step": step, "path": path, "marker": marker, "error": None}
+        if self.cfg.async_save:
+            self._pending["thread"] = threading.Thread(target=_write, args=(writes, self._pending), daemon=True)
+            self._pending["thread"].start()
+        else:
+            _write(writes, self._pending)
+            self.wait()
+
+    def wait(self) -> None:
+        """Finish the save in flight: every rank calls this at the same point (it may hold a barrier)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        if "thread" in pending:
+            pending["thread"].join()
+        def check():
+            if pending["error"]:
+                raise UserError(f"writing checkpoint {pending['path']} failed: {pending['error']}")
+        _agree(check)  # a failed write on any rank stops every rank, none left in a barrier
+        if pending["marker"]:
             dist.barrier()  # every rank's file is renamed into place before the marker says so
-            path = marker_path(self.dir, step)
             if self.topo.is_main:
-                save_atomically({"step": step, "world_size": self.topo.world_size}, path)
+                save_atomically({"step": pending["step"], "world_size": self.topo.world_size}, pending["marker"])
         if self.topo.is_main:
-            print(f"saved checkpoint {path}", flush=True)
+            print(f"saved checkpoint {pending['marker'] or pending['path']}", flush=True)
         self._prune()
 
     def _prune(self) -> None:
@@ -178,6 +211,7 @@ class CheckpointManager:
                     os.remove(path)
 
     def close(self) -> None:
+        self.wait()
         dist.barrier()
 
     # ---- resuming ----

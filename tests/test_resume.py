@@ -8,11 +8,12 @@ from conftest import run_trainer, scalars
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("checkpoint_type", ["full", "sharded"])
-def test_resume_is_bitwise(checkpoint_type, corpus, tmp_path):
+@pytest.mark.parametrize("checkpoint_type, async_save", [("full", False), ("sharded", True)])
+def test_resume_is_bitwise(checkpoint_type, async_save, corpus, tmp_path):
     whole, resumed = str(tmp_path / "whole"), str(tmp_path / "resumed")
     os.makedirs(whole), os.makedirs(resumed)
-    run_trainer(whole, nproc=2, save_interval=4, checkpoint_type=checkpoint_type, **corpus)
+    # the checkpoint resumed from is written while training goes on when async_save is set
+    run_trainer(whole, nproc=2, save_interval=4, checkpoint_type=checkpoint_type, async_save=async_save, **corpus)
     name = "fsdp_cpt4.pth" if checkpoint_type == "full" else "fsdp_sharded_cpt4_rank1.pth"
     result = run_trainer(resumed, nproc=2, save_interval=4, checkpoint_type=checkpoint_type,
                          resume_from=os.path.join(whole, "ckpt", name), **corpus)
