@@ -114,6 +114,11 @@ def _fill(target: torch.Tensor, pieces: list[dict]) -> None:
         local.copy_(_assemble(pieces, offset, local.shape[0]))
 
 
+def _parameter_names(model) -> dict:
+    """{parameter: name}, the same names under FSDP and DDP (whose wrapper adds 'module.')."""
+    return {p: name for name, p in getattr(model, "module", model).named_parameters()}
+
+
 def _write(writes: list, pending: dict) -> None:
     try:
         for obj, path in writes:
@@ -165,7 +170,7 @@ class CheckpointManager:
                 state = torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, state)
             writes = [(self._header(step) | state, path)] if self.topo.is_main else []
         else:
-            names = {p: name for name, p in model.named_parameters()}
+            names = _parameter_names(model)
             state = {"model": {name: _pieces(p) for p, name in names.items()},
                      "optimizer": {names[p]: {k: _pieces(v) if v.dim() else v.clone() for k, v in s.items()}
                                    for p, s in optimizer.state.items()},
@@ -274,7 +279,7 @@ class CheckpointManager:
             check_model_shape(shard_path(directory, step, 0), files[0]["model_config"], self.cfg)
             return files
         files = _agree(read)
-        names = {p: name for name, p in model.named_parameters()}
+        names = _parameter_names(model)
         for p, name in names.items():
             _fill(p, [f["model"][name] for f in files])
         for p, name in names.items():

@@ -81,11 +81,16 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(DecoderBlock(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        self.lm_head.weight = self.wte.weight  # weight tying
+        self.tie_weights()
         # recompute each block's activations in backward instead of storing them
         self.activation_checkpointing = False
         if self.wte.weight.device.type != "meta":
             self.init_weights()
+
+    def tie_weights(self) -> None:
+        """One matrix embeds tokens and scores them (GPT-2). Moving a module off the meta device
+        (to_empty) makes each module a new parameter, so this is redone after it."""
+        self.lm_head.weight = self.wte.weight
 
     @torch.no_grad()
     def init_weights(self) -> None:

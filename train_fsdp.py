@@ -112,6 +112,7 @@ def build_model(cfg, gpt_cfg: GPTConfig, topo: Topology) -> torch.nn.Module:
             fully_shard(block, reshard_after_forward=reshard and i < len(model.blocks) - 1, **shard_args)
         fully_shard(model, **shard_args)  # the root: embeddings, final norm, tied LM head
     model.to_empty(device=param_device)
+    model.tie_weights()
     # Same seed, same weights for any world size: rank 0 alone builds the full model (host
     # memory) and the weights are broadcast one tensor at a time into every rank's shards.
     full_state = {}

@@ -17,10 +17,11 @@ def single_process(corpus, tmp_path_factory):
     return {tag: scalars(os.path.join(run_dir, "tb"), tag) for tag in ("train/loss", "val/loss")}
 
 
-@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"])
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "DDP"])
 def test_four_ranks_match_one_process(strategy, single_process, corpus, tmp_path):
-    result = run_trainer(str(tmp_path), nproc=4, max_iters=STEPS, sharding_strategy=strategy,
-                         fsdp_size=2 if strategy == "HYBRID_SHARD" else None, **corpus)
+    mode = dict(fsdp=False) if strategy == "DDP" else dict(sharding_strategy=strategy)
+    result = run_trainer(str(tmp_path), nproc=4, max_iters=STEPS, fsdp_size=2 if strategy == "HYBRID_SHARD" else None,
+                         **mode, **corpus)
     assert "gradient accumulation 1" in result.stdout  # four ranks need none
     for tag, reference in single_process.items():
         losses = scalars(str(tmp_path / "tb"), tag)
