@@ -12,13 +12,16 @@ dropout RNG are functions of (seed, step), so `step` restores both.
 import glob
 import os
 import re
+import sys
 import threading
+import zlib
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_leaves
 
 from config import MODEL_SHAPE_KEYS, UserError, to_dict
 
@@ -37,11 +40,28 @@ def marker_path(directory: str, step: int) -> str:
     return os.path.join(directory, f"fsdp_sharded_cpt{step}.complete")
 
 
-def save_atomically(obj, path: str) -> None:
+class CorruptCheckpoint(UserError):
+    """A checkpoint that is damaged or incomplete (as opposed to one that doesn't fit)."""
+
+
+def _crc32(obj) -> int:
+    """Checksum of every tensor's bytes and every other value: torch.load notices a truncated
+    file, but not flipped bytes inside tensor data."""
+    crc = 0
+    for leaf in tree_leaves(obj):
+        if isinstance(leaf, torch.Tensor):
+            data = leaf.detach().reshape(-1).contiguous().view(torch.uint8).numpy()
+        else:
+            data = repr(leaf).encode()
+        crc = zlib.crc32(data, crc)
+    return crc
+
+
+def save_atomically(obj: dict, path: str) -> None:
     """Temp file, fsync, rename: the final name only ever holds a complete file."""
     tmp = f"{path}.tmp"
     with open(tmp, "wb") as f:
-        torch.save(obj, f)
+        torch.save(obj | {"crc32": _crc32(obj)}, f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -52,16 +72,25 @@ def save_atomically(obj, path: str) -> None:
         os.close(dir_fd)
 
 
-def load_file(path: str, mmap: bool = False) -> dict:
+def read_verified(path: str, mmap: bool = False) -> dict:
+    """torch.load(weights_only=True), then the checksum written with the file."""
     if not os.path.isfile(path):
-        raise UserError(f"checkpoint file not found: {path}")
+        raise CorruptCheckpoint(f"checkpoint file not found: {path}")
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as e:  # torch raises RuntimeError, UnpicklingError, EOFError... for damaged files
-        raise UserError(f"checkpoint {path} is corrupt or truncated ({str(e).splitlines()[0][:120]}); "
+        raise CorruptCheckpoint(f"checkpoint {path} is corrupt or truncated ({str(e).splitlines()[0][:120]}); "
                         f"resume from an earlier checkpoint")
+    if not isinstance(obj, dict) or obj.pop("crc32", None) != _crc32(obj):
+        raise CorruptCheckpoint(f"checkpoint {path} is corrupt: its checksum does not match its contents; "
+                        f"resume from an earlier checkpoint")
+    return obj
+
+
+def load_file(path: str, mmap: bool = False) -> dict:
+    obj = read_verified(path, mmap)
     if not isinstance(obj, dict) or not {"model", "optimizer", "step", "model_config"} <= obj.keys():
-        raise UserError(f"{path} is not a checkpoint of this trainer (needs model, optimizer, step, model_config)")
+        raise CorruptCheckpoint(f"{path} is not a checkpoint of this trainer (needs model, optimizer, step, model_config)")
     return obj
 
 
@@ -104,7 +133,7 @@ def _assemble(pieces: list[dict], offset: int, rows: int) -> torch.Tensor:
             parts.append(data[cursor - start:cursor - start + take])
             cursor += take
     if cursor != offset + rows:
-        raise UserError(f"sharded checkpoint is missing rows {cursor}..{offset + rows} of a tensor")
+        raise CorruptCheckpoint(f"sharded checkpoint is missing rows {cursor}..{offset + rows} of a tensor")
     return torch.cat(parts) if parts else pieces[0]["data"][:0]
 
 
@@ -117,6 +146,15 @@ def _fill(target: torch.Tensor, pieces: list[dict]) -> None:
 def _parameter_names(model) -> dict:
     """{parameter: name}, the same names under FSDP and DDP (whose wrapper adds 'module.')."""
     return {p: name for name, p in getattr(model, "module", model).named_parameters()}
+
+
+def _aliases(model) -> dict:
+    """{second name: first name} for parameters registered twice (the tied LM head)."""
+    module = getattr(model, "module", model)
+    first = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        first.setdefault(p, name)
+    return {name: first[p] for name, p in module.named_parameters(remove_duplicate=False) if first[p] != name}
 
 
 def _write(writes: list, pending: dict) -> None:
@@ -135,13 +173,59 @@ def _agree(fn):
     try:
         result, error = fn(), None
     except UserError as e:
-        result, error = None, str(e)
+        result, error = None, e
     errors = [None] * dist.get_world_size()
     dist.all_gather_object(errors, error)
     first = next((e for e in errors if e), None)
     if first:
-        raise UserError(first)
+        raise first
     return result
+
+
+def complete_checkpoints(directory: str) -> list[tuple[int, str]]:
+    """(step, "full" | "sharded") of every checkpoint visible under its final name."""
+    found = []
+    for name in os.listdir(directory) if os.path.isdir(directory) else []:
+        if m := FULL_RE.fullmatch(name):
+            found.append((int(m.group(1)), "full"))
+        elif m := MARKER_RE.fullmatch(name):
+            found.append((int(m.group(1)), "sharded"))
+    return found
+
+
+def read_sharded(directory: str, step: int) -> list[dict]:
+    """Every rank file of a complete sharded checkpoint, memory-mapped and verified."""
+    marker = marker_path(directory, step)
+    if not os.path.isfile(marker):
+        raise CorruptCheckpoint(f"sharded checkpoint of step {step} in {directory}/ is incomplete "
+                                f"(no {os.path.basename(marker)}): some rank never finished writing it")
+    saved_world = read_verified(marker)["world_size"]
+    files = [load_file(shard_path(directory, step, r), mmap=True) for r in range(saved_world)]
+    for r, f in enumerate(files):
+        if (f["step"], f["rank"]) != (step, r):
+            raise CorruptCheckpoint(f"rank file {shard_path(directory, step, r)} holds step {f['step']} of rank "
+                                    f"{f['rank']}: the set mixes files of different checkpoints")
+    return files
+
+
+def consolidate(shard_file: str, out_path: str) -> None:
+    """Sharded checkpoint -> one full file, offline: as fsdp_cpt{step}.pth of the same step."""
+    match = SHARD_RE.search(os.path.basename(shard_file))
+    if not match:
+        raise UserError(f"{shard_file} is not named fsdp_sharded_cpt{{step}}_rank{{rank}}.pth")
+    files = read_sharded(os.path.dirname(shard_file), int(match.group(1)))
+    first = files[0]
+
+    def whole(pieces: list[dict]) -> torch.Tensor:
+        return _assemble(pieces, 0, pieces[0]["shape"][0]).clone()  # clone: off the memory maps
+
+    model = {name: whole([f["model"][name] for f in files]) for name in first["model"]}
+    model |= {alias: model[name] for alias, name in first["aliases"].items()}
+    state = {name: {key: whole([f["optimizer"][name][key] for f in files]) if isinstance(value, dict) else value
+                    for key, value in saved.items()} for name, saved in first["optimizer"].items()}
+    header = {k: first[k] for k in ("step", "model_config", "config", "train_state")}
+    save_atomically(header | {"model": model, "optimizer": {"state": state, "param_groups": first["param_groups"]}},
+                    out_path)
 
 
 class CheckpointManager:
@@ -174,7 +258,11 @@ class CheckpointManager:
             state = {"model": {name: _pieces(p) for p, name in names.items()},
                      "optimizer": {names[p]: {k: _pieces(v) if v.dim() else v.clone() for k, v in s.items()}
                                    for p, s in optimizer.state.items()},
-                     "rank": self.topo.rank, "world_size": self.topo.world_size}
+                     "rank": self.topo.rank, "world_size": self.topo.world_size,
+                     # what consolidation needs to write the full format: tied names, hyperparameters
+                     "aliases": _aliases(model),
+                     "param_groups": [{k: v for k, v in g.items() if k != "params"} | {
+                         "params": [names[p] for p in g["params"]]} for g in optimizer.param_groups]}
             path, marker = shard_path(self.dir, step, self.topo.rank), marker_path(self.dir, step)
             writes = [(self._header(step) | state, path)]
         self._pending = {"step": step, "path": path, "marker": marker, "error": None}
@@ -207,7 +295,7 @@ class CheckpointManager:
     def _prune(self) -> None:
         if not self.cfg.keep_last or not self.topo.is_main:
             return
-        for step, kind in sorted(self.complete_checkpoints(), reverse=True)[self.cfg.keep_last:]:
+        for step, kind in sorted(complete_checkpoints(self.dir), reverse=True)[self.cfg.keep_last:]:
             if kind == "full":
                 os.remove(os.path.join(self.dir, f"fsdp_cpt{step}.pth"))
             else:
@@ -220,38 +308,37 @@ class CheckpointManager:
         dist.barrier()
 
     # ---- resuming ----
-    def complete_checkpoints(self) -> list[tuple[int, str]]:
-        found = []
-        for name in os.listdir(self.dir) if os.path.isdir(self.dir) else []:
-            if m := FULL_RE.fullmatch(name):
-                found.append((int(m.group(1)), "full"))
-            elif m := MARKER_RE.fullmatch(name):
-                found.append((int(m.group(1)), "sharded"))
-        return found
-
     def resume(self, resume_from: str | None, model, optimizer) -> int:
         """Load model and optimizer state; return the step to continue after (0: fresh start)."""
         if resume_from is None:
             return 0
         if resume_from == "latest":
-            # rank 0's view decides, so every rank loads the same checkpoint
-            found = [max(self.complete_checkpoints(), default=None) if self.topo.is_main else None]
-            dist.broadcast_object_list(found, src=0)
-            if found[0] is None:
-                if self.topo.is_main:
-                    print(f"no checkpoint in {self.dir}/ yet: starting from scratch", flush=True)
-                return 0
-            step, kind = found[0]
-            resume_from = os.path.join(self.dir, f"fsdp_cpt{step}.pth" if kind == "full" else
-                                       f"fsdp_sharded_cpt{step}_rank0.pth")
-        match = SHARD_RE.search(os.path.basename(resume_from))
-        if match:
-            step = self._load_sharded(os.path.dirname(resume_from), int(match.group(1)), model, optimizer)
-        else:
-            step = self._load_full(resume_from, model, optimizer)
+            return self._resume_latest(model, optimizer)
+        step = self._load(resume_from, model, optimizer)
         if self.topo.is_main:
             print(f"resumed from {resume_from} at step {step}", flush=True)
         return step
+
+    def _resume_latest(self, model, optimizer) -> int:
+        # rank 0's listing decides, so every rank tries the same checkpoints in the same order
+        found = [sorted(complete_checkpoints(self.dir), reverse=True) if self.topo.is_main else None]
+        dist.broadcast_object_list(found, src=0)
+        for step, kind in found[0]:
+            path = os.path.join(self.dir, f"fsdp_cpt{step}.pth" if kind == "full" else
+                                f"fsdp_sharded_cpt{step}_rank0.pth")
+            try:  # loaders raise before touching the model, on every rank alike
+                return self.resume(path, model, optimizer)
+            except CorruptCheckpoint as e:
+                if self.topo.is_main:
+                    print(f"skipping a damaged checkpoint: {e}", flush=True)
+        if self.topo.is_main:
+            print(f"no usable checkpoint in {self.dir}/ yet: starting from scratch", flush=True)
+        return 0
+
+    def _load(self, path: str, model, optimizer) -> int:
+        if match := SHARD_RE.search(os.path.basename(path)):
+            return self._load_sharded(os.path.dirname(path), int(match.group(1)), model, optimizer)
+        return self._load_full(path, model, optimizer)
 
     def _load_full(self, path: str, model, optimizer) -> int:
         def read():
@@ -267,15 +354,7 @@ class CheckpointManager:
 
     def _load_sharded(self, directory: str, step: int, model, optimizer) -> int:
         def read():
-            marker = marker_path(directory, step)
-            if not os.path.isfile(marker):
-                raise UserError(f"sharded checkpoint of step {step} in {directory}/ is incomplete "
-                                f"(no {os.path.basename(marker)}): some rank never finished writing it")
-            saved_world = torch.load(marker, weights_only=True)["world_size"]
-            files = [load_file(shard_path(directory, step, r), mmap=True) for r in range(saved_world)]
-            for f in files:
-                if f["step"] != step:
-                    raise UserError(f"rank file {shard_path(directory, step, f['rank'])} holds step {f['step']}, not {step}")
+            files = read_sharded(directory, step)
             check_model_shape(shard_path(directory, step, 0), files[0]["model_config"], self.cfg)
             return files
         files = _agree(read)
@@ -295,3 +374,20 @@ class CheckpointManager:
                     state[key] = value.clone()
             optimizer.state[p] = state
         return step
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 3 or argv[0] != "consolidate":
+        print("usage: python fsdp_ckpt.py consolidate fsdp_sharded_cpt{step}_rank0.pth OUT.pth", file=sys.stderr)
+        return 2
+    try:
+        consolidate(argv[1], argv[2])
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {argv[2]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

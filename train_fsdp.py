@@ -6,6 +6,7 @@ weights initialised on rank 0 and broadcast into the shards -> optimizer -> resu
 """
 import math
 import os
+import signal
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
@@ -145,6 +146,23 @@ def lr_at(cfg, step: int) -> float:
     return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.learning_rate - cfg.min_lr)
 
 
+class StopSignal:
+    """SIGTERM (what schedulers send before preemption) asks for a checkpoint and a clean exit."""
+
+    def __init__(self):
+        self.received = False
+        signal.signal(signal.SIGTERM, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        self.received = True
+
+    def agreed(self, device: torch.device) -> bool:
+        # a collective every step: ranks see the signal at different moments, all stop together
+        flag = torch.tensor([float(self.received)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return flag.item() > 0
+
+
 def set_gradient_sync(model: torch.nn.Module, enabled: bool) -> None:
     """Reduce gradients only on the last micro-step: one reduction per optimizer step."""
     if isinstance(model, DistributedDataParallel):
@@ -212,6 +230,7 @@ def train(cfg) -> None:
     if step == 0:
         log.val(0, evaluate(model, loader, n_val_windows, device))
     log.start(step)
+    stop_signal = StopSignal()
     while step < cfg.max_iters:
         step += 1
         lr = lr_at(cfg, step)
@@ -229,7 +248,8 @@ def train(cfg) -> None:
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
-        last = step == cfg.max_iters
+        stop = stop_signal.agreed(device)
+        last = step == cfg.max_iters or stop
         if step % cfg.log_interval == 0 or last:
             dist.all_reduce(loss_sum)  # every rank's share: the loss of the whole global batch
             grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
@@ -238,6 +258,10 @@ def train(cfg) -> None:
             log.val(step, evaluate(model, loader, n_val_windows, device))
         if step % cfg.save_interval == 0 or last:
             ckpt.save(step, model, optimizer)
+        if stop:
+            if topo.is_main:
+                print(f"SIGTERM: stopped after step {step} with its checkpoint saved", flush=True)
+            break
     ckpt.close()
     log.close()
     if topo.is_main:

@@ -1,0 +1,181 @@
+"""Checkpoints: bitwise resume, resharding across world sizes and strategies, consolidation,
+damaged files, preemption and killed workers."""
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import fsdp_ckpt
+from config import UserError
+from conftest import DEMO, overrides, run_trainer, scalars, trainer_cmd, TINY
+
+pytestmark = pytest.mark.slow
+# 24 sequences a step: 1, 2, 3 and 4 ranks each take whole micro-batches of 2
+RUN = dict(train_batch=24, max_iters=6, save_interval=3, eval_interval=3)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(corpus, tmp_path_factory):
+    """Two 2-rank runs of 6 steps, checkpointing at 3 and 6: one full, one sharded (written async)."""
+    runs = {}
+    for kind in ("full", "sharded"):
+        run_dir = str(tmp_path_factory.mktemp(kind))
+        run_trainer(run_dir, nproc=2, checkpoint_type=kind, async_save=kind == "sharded", **RUN, **corpus)
+        runs[kind] = run_dir
+    return runs
+
+
+def checkpoint_of(run_dir, kind, step):
+    name = f"fsdp_cpt{step}.pth" if kind == "full" else f"fsdp_sharded_cpt{step}_rank1.pth"
+    return os.path.join(run_dir, "ckpt", name)
+
+
+def resumed_losses(tmp_path, resume_from, nproc=2, **kwargs):
+    result = run_trainer(str(tmp_path), nproc=nproc, resume_from=resume_from, **(RUN | kwargs))
+    assert f"resumed from {resume_from} at step 3" in result.stdout
+    return scalars(str(tmp_path / "tb"), "train/loss")
+
+
+@pytest.mark.parametrize("kind", ["full", "sharded"])
+def test_same_size_resume_is_bitwise(kind, uninterrupted, corpus, tmp_path):
+    got = resumed_losses(tmp_path, checkpoint_of(uninterrupted[kind], kind, 3), **corpus)
+    expected = scalars(os.path.join(uninterrupted[kind], "tb"), "train/loss")
+    assert sorted(got) == [4, 5, 6]
+    assert all(got[s] == expected[s] for s in got), (got, expected)  # bitwise
+
+
+@pytest.mark.parametrize("kind", ["full", "sharded"])
+@pytest.mark.parametrize("nproc, strategy", [(1, "FULL_SHARD"), (3, "FULL_SHARD"), (4, "HYBRID_SHARD")])
+def test_resume_on_another_world_size_and_strategy(kind, nproc, strategy, uninterrupted, corpus, tmp_path):
+    got = resumed_losses(tmp_path, checkpoint_of(uninterrupted[kind], kind, 3), nproc=nproc,
+                         sharding_strategy=strategy, fsdp_size=2 if strategy == "HYBRID_SHARD" else None, **corpus)
+    expected = scalars(os.path.join(uninterrupted[kind], "tb"), "train/loss")
+    assert sorted(got) == [4, 5, 6]
+    for step in got:
+        assert got[step] == pytest.approx(expected[step], rel=1e-4), step
+
+
+def test_consolidated_sharded_equals_full(uninterrupted, tmp_path):
+    out = str(tmp_path / "consolidated.pth")
+    subprocess.run([sys.executable, fsdp_ckpt.__file__, "consolidate",
+                    checkpoint_of(uninterrupted["sharded"], "sharded", 6), out], check=True, timeout=120)
+    full = torch.load(checkpoint_of(uninterrupted["full"], "full", 6), weights_only=True)
+    merged = torch.load(out, weights_only=True)
+    assert merged["model"].keys() == full["model"].keys()
+    for name, tensor in full["model"].items():
+        assert torch.equal(merged["model"][name], tensor), name
+    assert merged["optimizer"]["state"].keys() == full["optimizer"]["state"].keys()
+    for name, state in full["optimizer"]["state"].items():
+        for key, tensor in state.items():
+            assert torch.equal(merged["optimizer"]["state"][name][key], tensor), (name, key)
+    assert merged["optimizer"]["param_groups"] == full["optimizer"]["param_groups"]
+    assert merged["step"] == full["step"] == 6
+
+
+def test_killed_worker_restarts_from_latest(uninterrupted, corpus, tmp_path):
+    """SIGKILL one of two workers mid-run under --max-restarts: the run ends as if nothing happened."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                "--max-restarts=2", os.path.join(os.path.dirname(DEMO), "..", "train_fsdp.py")]
+    settings = dict(TINY, **RUN, **corpus, save_interval=2, checkpoint_type="full", resume_from="latest",
+                    checkpoint_dir=str(tmp_path / "ckpt"), tensorboard_dir=str(tmp_path / "tb"))
+    agent = subprocess.Popen(launcher + [DEMO] + overrides(**settings), cwd=tmp_path, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.time() + 120
+    while not os.path.exists(tmp_path / "ckpt" / "fsdp_cpt2.pth") and time.time() < deadline:
+        time.sleep(0.2)
+    workers = subprocess.run(["pgrep", "-P", str(agent.pid)], capture_output=True, text=True).stdout.split()
+    assert workers, "no worker processes found"
+    os.kill(int(workers[-1]), signal.SIGKILL)
+    output = agent.communicate(timeout=240)[0]
+    assert agent.returncode == 0, output[-3000:]
+    assert "resumed from" in output and "at step 2" in output
+    expected = scalars(os.path.join(uninterrupted["full"], "tb"), "train/loss")
+    assert scalars(str(tmp_path / "tb"), "train/loss")[6] == expected[6]
+
+
+def test_sigterm_saves_the_current_step_and_exits_zero(corpus, tmp_path):
+    cmd = trainer_cmd(1) + [DEMO] + overrides(**(TINY | corpus | dict(
+        max_iters=100, lr_decay_iters=100, checkpoint_dir=str(tmp_path / "ckpt"), tensorboard_dir=str(tmp_path / "tb"))))
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in proc.stdout:
+        if line.startswith("step 3/"):
+            proc.send_signal(signal.SIGTERM)
+            break
+    output = proc.stdout.read()
+    assert proc.wait(timeout=60) == 0, output
+    saved = [n for n in os.listdir(tmp_path / "ckpt") if n.endswith(".pth")]
+    assert len(saved) == 1
+    stopped_at = int(saved[0][len("fsdp_cpt"):-len(".pth")])
+    assert f"SIGTERM: stopped after step {stopped_at}" in output and 3 <= stopped_at < 100
+    # resume to stopped_at + 2 against a run that went there without stopping
+    common = TINY | corpus | dict(lr_decay_iters=100, max_iters=stopped_at + 2)
+    run_trainer(str(tmp_path), resume_from="latest", **common)
+    whole = tmp_path / "whole"
+    whole.mkdir()
+    run_trainer(str(whole), **common)
+    got, expected = (scalars(str(d / "tb"), "train/loss") for d in (tmp_path, whole))
+    assert all(got[s] == expected[s] for s in (stopped_at + 1, stopped_at + 2))
+
+
+def flip_byte(path, fraction=0.6):
+    with open(path, "r+b") as f:
+        f.seek(int(os.path.getsize(path) * fraction))
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_damaged_checkpoints_refused_and_latest_falls_back(corpus, tmp_path):
+    run_trainer(str(tmp_path), checkpoint_type="sharded", max_iters=6, save_interval=2, keep_last=2, **corpus)
+    directory = tmp_path / "ckpt"
+    assert sorted(os.listdir(directory)) == [  # keep_last pruned step 2
+        "fsdp_sharded_cpt4.complete", "fsdp_sharded_cpt4_rank0.pth", "fsdp_sharded_cpt6.complete",
+        "fsdp_sharded_cpt6_rank0.pth"]
+    flip_byte(directory / "fsdp_sharded_cpt6_rank0.pth")
+    with pytest.raises(UserError, match="fsdp_sharded_cpt6_rank0.pth is corrupt: its checksum"):
+        fsdp_ckpt.read_sharded(str(directory), 6)
+    result = run_trainer(str(tmp_path), checkpoint_type="sharded", max_iters=7, resume_from="latest",
+                         tensorboard_dir=str(tmp_path / "tb2"), **corpus)
+    assert "skipping a damaged checkpoint: checkpoint" in result.stdout
+    assert f"resumed from {directory / 'fsdp_sharded_cpt4_rank0.pth'} at step 4" in result.stdout
+    # a set that mixes steps: step 4's file where step 6's should be
+    os.replace(directory / "fsdp_sharded_cpt4_rank0.pth", directory / "fsdp_sharded_cpt6_rank0.pth")
+    with pytest.raises(UserError, match="mixes files of different checkpoints"):
+        fsdp_ckpt.read_sharded(str(directory), 6)
+
+
+def test_bit_flip_in_full_checkpoint_is_refused(corpus, tmp_path):
+    run_trainer(str(tmp_path), max_iters=2, save_interval=2, **corpus)
+    path = str(tmp_path / "ckpt" / "fsdp_cpt2.pth")
+    flip_byte(path)
+    result = run_trainer(str(tmp_path), resume_from=path, check=False, **corpus)
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert f"error: checkpoint {path} is corrupt: its checksum does not match" in result.stderr
+
+
+def test_kills_during_saves_leave_every_visible_checkpoint_loadable(corpus, tmp_path):
+    rng = random.Random(0)
+    for attempt in range(6):
+        kind = ("full", "sharded")[attempt % 2]
+        cmd = trainer_cmd(1) + [DEMO] + overrides(**(TINY | corpus | dict(
+            max_iters=1000, lr_decay_iters=1000, save_interval=1, checkpoint_type=kind, eval_interval=1000,
+            resume_from="latest", checkpoint_dir=str(tmp_path / "ckpt"), tensorboard_dir=str(tmp_path / "tb"))))
+        proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(rng.uniform(4.0, 7.0))  # past start-up, into a stream of one save per step
+        proc.kill()
+        proc.wait()
+        directory = str(tmp_path / "ckpt")
+        for name in os.listdir(directory):
+            if m := fsdp_ckpt.FULL_RE.fullmatch(name):
+                fsdp_ckpt.load_file(os.path.join(directory, name))
+            elif m := fsdp_ckpt.MARKER_RE.fullmatch(name):
+                fsdp_ckpt.read_sharded(directory, int(m.group(1)))
+    newest = max(fsdp_ckpt.complete_checkpoints(str(tmp_path / "ckpt")))
+    result = run_trainer(str(tmp_path), resume_from="latest", max_iters=newest[0] + 1, lr_decay_iters=1000,
+                         checkpoint_type=newest[1], **corpus)
+    assert f"at step {newest[0]}" in result.stdout
