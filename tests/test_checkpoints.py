@@ -12,7 +12,7 @@ import torch
 
 import fsdp_ckpt
 from config import UserError
-from conftest import DEMO, overrides, run_trainer, scalars, trainer_cmd, TINY
+from conftest import DEMO, ROOT, TINY, overrides, run_trainer, scalars, trainer_cmd
 
 pytestmark = pytest.mark.slow
 # 24 sequences a step: 1, 2, 3 and 4 ranks each take whole micro-batches of 2
@@ -80,9 +80,9 @@ def test_consolidated_sharded_equals_full(uninterrupted, tmp_path):
 def test_killed_worker_restarts_from_latest(uninterrupted, corpus, tmp_path):
     """SIGKILL one of two workers mid-run under --max-restarts: the run ends as if nothing happened."""
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                "--max-restarts=2", os.path.join(os.path.dirname(DEMO), "..", "train_fsdp.py")]
-    settings = dict(TINY, **RUN, **corpus, save_interval=2, checkpoint_type="full", resume_from="latest",
-                    checkpoint_dir=str(tmp_path / "ckpt"), tensorboard_dir=str(tmp_path / "tb"))
+                "--max-restarts=2", os.path.join(ROOT, "train_fsdp.py")]
+    settings = TINY | RUN | corpus | dict(save_interval=2, checkpoint_type="full", resume_from="latest",
+                                          checkpoint_dir=str(tmp_path / "ckpt"), tensorboard_dir=str(tmp_path / "tb"))
     agent = subprocess.Popen(launcher + [DEMO] + overrides(**settings), cwd=tmp_path, text=True,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     deadline = time.time() + 120
