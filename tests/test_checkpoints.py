@@ -179,3 +179,13 @@ def test_kills_during_saves_leave_every_visible_checkpoint_loadable(corpus, tmp_
     result = run_trainer(str(tmp_path), resume_from="latest", max_iters=newest[0] + 1, lr_decay_iters=1000,
                          checkpoint_type=newest[1], **corpus)
     assert f"at step {newest[0]}" in result.stdout
+
+
+def test_resharded_checkpoint_resumes_bitwise_at_the_original_size(uninterrupted, corpus, tmp_path):
+    """2-rank shards -> consolidated into one full file -> resumed on 2 ranks: bitwise."""
+    out = str(tmp_path / "fsdp_cpt3.pth")
+    subprocess.run([sys.executable, fsdp_ckpt.__file__, "consolidate",
+                    checkpoint_of(uninterrupted["sharded"], "sharded", 3), out], check=True, timeout=120)
+    got = resumed_losses(tmp_path, out, **corpus)
+    expected = scalars(os.path.join(uninterrupted["sharded"], "tb"), "train/loss")
+    assert sorted(got) == [4, 5, 6] and all(got[s] == expected[s] for s in got)
