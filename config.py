@@ -6,7 +6,7 @@ import dataclasses
 import difflib
 import os
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import yaml
 
@@ -160,9 +160,9 @@ def validate(cfg: TrainConfig) -> None:
             raise UserError(message)
 
     for key in ("block_size", "n_layer", "n_head", "n_embd", "train_batch", "micro_batch",
-                "max_iters", "log_interval", "eval_interval", "eval_iters", "save_interval"):
-        require(getattr(cfg, key) > 0 or key == "max_iters" and cfg.max_iters == 0,
-                f"config key '{key}' must be positive, got {getattr(cfg, key)}")
+                "log_interval", "eval_interval", "eval_iters", "save_interval"):
+        require(getattr(cfg, key) > 0, f"config key '{key}' must be positive, got {getattr(cfg, key)}")
+    require(cfg.max_iters >= 0, f"max_iters must be 0 or more, got {cfg.max_iters}")
     require(cfg.n_embd % cfg.n_head == 0,
             f"n_head={cfg.n_head} must divide n_embd={cfg.n_embd}: pick n_embd as a multiple of n_head")
     require(cfg.train_batch % cfg.micro_batch == 0,

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from config import MODEL_SHAPE_KEYS, UserError, to_dict
 
@@ -30,6 +30,10 @@ SHARD_RE = re.compile(r"fsdp_sharded_cpt(\d+)_rank(\d+|\{rank\})\.pth$")
 MARKER_RE = re.compile(r"fsdp_sharded_cpt(\d+)\.complete$")
 FULL_OPTIONS = StateDictOptions(full_state_dict=True, cpu_offload=True)
 LOAD_OPTIONS = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+
+
+def full_path(directory: str, step: int) -> str:
+    return os.path.join(directory, f"fsdp_cpt{step}.pth")
 
 
 def shard_path(directory: str, step: int, rank: int) -> str:
@@ -89,7 +93,7 @@ def read_verified(path: str, mmap: bool = False) -> dict:
 
 def load_file(path: str, mmap: bool = False) -> dict:
     obj = read_verified(path, mmap)
-    if not isinstance(obj, dict) or not {"model", "optimizer", "step", "model_config"} <= obj.keys():
+    if not {"model", "optimizer", "step", "model_config"} <= obj.keys():
         raise CorruptCheckpoint(f"{path} is not a checkpoint of this trainer (needs model, optimizer, step, model_config)")
     return obj
 
@@ -122,8 +126,8 @@ def _pieces(t: torch.Tensor) -> dict:
     return {"shape": list(t.shape), "offset": offset, "data": local.detach().to("cpu", copy=True)}
 
 
-def _assemble(pieces: list[dict], offset: int, rows: int) -> torch.Tensor:
-    """Rows [offset, offset + rows) of a tensor from the slices the saving ranks held."""
+def _slices(pieces: list[dict], offset: int, rows: int) -> list[torch.Tensor]:
+    """Views of the saved slices that make up rows [offset, offset + rows) of a tensor."""
     parts, cursor = [], offset
     for piece in sorted(pieces, key=lambda p: p["offset"]):
         start, data = piece["offset"], piece["data"]
@@ -134,6 +138,11 @@ def _assemble(pieces: list[dict], offset: int, rows: int) -> torch.Tensor:
             cursor += take
     if cursor != offset + rows:
         raise CorruptCheckpoint(f"sharded checkpoint is missing rows {cursor}..{offset + rows} of a tensor")
+    return parts
+
+
+def _assemble(pieces: list[dict], offset: int, rows: int) -> torch.Tensor:
+    parts = _slices(pieces, offset, rows)
     return torch.cat(parts) if parts else pieces[0]["data"][:0]
 
 
@@ -161,7 +170,7 @@ def _write(writes: list, pending: dict) -> None:
     try:
         for obj, path in writes:
             save_atomically(obj, path)
-    except OSError as e:  # reported on the training thread by CheckpointManager.wait()
+    except Exception as e:  # any failure, reported on the training thread by CheckpointManager.wait()
         pending["error"] = e
 
 
@@ -205,6 +214,13 @@ def read_sharded(directory: str, step: int) -> list[dict]:
         if (f["step"], f["rank"]) != (step, r):
             raise CorruptCheckpoint(f"rank file {shard_path(directory, step, r)} holds step {f['step']} of rank "
                                     f"{f['rank']}: the set mixes files of different checkpoints")
+    # every tensor whole across the files (views only): later reads can't fail on one rank alone
+    for name, piece in files[0]["model"].items():
+        _slices([f["model"][name] for f in files], 0, piece["shape"][0])
+    for name, saved in files[0]["optimizer"].items():
+        for key, piece in saved.items():
+            if isinstance(piece, dict):
+                _slices([f["optimizer"][name][key] for f in files], 0, piece["shape"][0])
     return files
 
 
@@ -239,7 +255,7 @@ class CheckpointManager:
     # ---- saving ----
     def _header(self, step: int) -> dict:
         cfg = self.cfg
-        return {"step": step, "model_config": {k: getattr(cfg, k) for k in MODEL_SHAPE_KEYS} | {"dropout": cfg.dropout},
+        return {"step": step, "model_config": cfg.model_shape | {"dropout": cfg.dropout},
                 "config": to_dict(cfg), "train_state": {"next_step": step + 1, "seed": cfg.seed}}
 
     def save(self, step: int, model, optimizer) -> None:
@@ -249,9 +265,9 @@ class CheckpointManager:
             # collectives on every rank; rank 0 alone receives the full dicts (host copies) and writes
             state = {"model": get_model_state_dict(model, options=FULL_OPTIONS),
                      "optimizer": get_optimizer_state_dict(model, optimizer, options=FULL_OPTIONS)}
-            path, marker = os.path.join(self.dir, f"fsdp_cpt{step}.pth"), None
+            path, marker = full_path(self.dir, step), None
             if self.cfg.async_save:  # a 1-rank gather may alias the live tensors: own the bytes
-                state = torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, state)
+                state = tree_map_only(torch.Tensor, torch.clone, state)
             writes = [(self._header(step) | state, path)] if self.topo.is_main else []
         else:
             names = _parameter_names(model)
@@ -297,7 +313,7 @@ class CheckpointManager:
             return
         for step, kind in sorted(complete_checkpoints(self.dir), reverse=True)[self.cfg.keep_last:]:
             if kind == "full":
-                os.remove(os.path.join(self.dir, f"fsdp_cpt{step}.pth"))
+                os.remove(full_path(self.dir, step))
             else:
                 os.remove(marker_path(self.dir, step))  # first: the set stops being visible
                 for path in glob.glob(os.path.join(self.dir, f"fsdp_sharded_cpt{step}_rank*.pth")):
@@ -324,8 +340,7 @@ class CheckpointManager:
         found = [sorted(complete_checkpoints(self.dir), reverse=True) if self.topo.is_main else None]
         dist.broadcast_object_list(found, src=0)
         for step, kind in found[0]:
-            path = os.path.join(self.dir, f"fsdp_cpt{step}.pth" if kind == "full" else
-                                f"fsdp_sharded_cpt{step}_rank0.pth")
+            path = full_path(self.dir, step) if kind == "full" else shard_path(self.dir, step, 0)
             try:  # loaders raise before touching the model, on every rank alike
                 return self.resume(path, model, optimizer)
             except CorruptCheckpoint as e:

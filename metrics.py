@@ -58,14 +58,14 @@ class ProgressLog:
         self.mark_time, self.mark_step = time.perf_counter(), step
 
     def train(self, step: int, loss: float, lr: float, grad_norm: float) -> None:
+        if not self.enabled:
+            return
         now = time.perf_counter()
         step_time = (now - self.mark_time) / max(step - self.mark_step, 1)
         self.mark_time, self.mark_step = now, step
         tokens_per_sec = self.tokens_per_step / step_time
         mfu = tokens_per_sec * self.flops_per_token / self.peak_flops
         mem = peak_memory_gb(self.device)
-        if not self.enabled:
-            return
         for tag, value in (("train/loss", loss), ("train/lr", lr), ("train/grad_norm", grad_norm),
                            ("perf/tokens_per_sec", tokens_per_sec), ("perf/mfu", mfu), ("mem/peak_gb", mem)):
             self.writer.add_scalar(tag, value, step)

@@ -213,7 +213,8 @@ def train(cfg) -> None:
         print(f"{world} ranks, {cfg.sharding_strategy if cfg.fsdp else 'DDP'}, mesh {topo.mesh}, "
               f"gradient accumulation {accum_steps}", flush=True)
     model = build_model(cfg, gpt_cfg, topo)
-    n_params = sum(p.numel() for p in model.parameters())
+    gpt = getattr(model, "module", model)  # the GPT under a DDP wrapper; FSDP2 keeps the module itself
+    n_params = gpt.num_params()
     if topo.is_main:
         print(f"parameters: {n_params:,} ({n_params / 1e6:.1f}M)", flush=True)
     optimizer = build_optimizer(cfg, model, device)
@@ -223,7 +224,7 @@ def train(cfg) -> None:
                          rank, world, cfg.seed, device)
     tokens_per_step = cfg.train_batch * cfg.block_size
     log = ProgressLog(topo.is_main, cfg.tensorboard_dir, cfg.max_iters, tokens_per_step,
-                      GPT.flops_per_token(model.module if not cfg.fsdp else model),
+                      gpt.flops_per_token(),
                       device_peak_flops(device) * world, device)
     scaler = torch.amp.GradScaler(device.type, enabled=compute_dtype(cfg, device) == torch.float16)
     n_val_windows = cfg.eval_iters * cfg.train_batch

@@ -1,7 +1,6 @@
 """Shared helpers: a tiny corpus, a tiny model config, and launching the real trainer."""
 import glob
 import os
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -15,12 +14,6 @@ DEMO = os.path.join(ROOT, "config", "demo_cpu.yaml")
 TINY = dict(n_layer=2, n_head=2, n_embd=64, block_size=32, dropout=0.0, dtype="fp32", train_batch=8,
             micro_batch=2, max_iters=8, warmup_iters=2, lr_decay_iters=8, learning_rate=3e-3, min_lr=3e-4,
             log_interval=1, eval_interval=4, eval_iters=1, save_interval=1000, tokenizer="bytes", seed=7)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def trainer_cmd(nproc: int) -> list[str]:
