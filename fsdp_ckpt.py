@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from config import MODEL_SHAPE_KEYS, UserError, to_dict
+from model import GPT, GPTConfig
 
 FULL_RE = re.compile(r"fsdp_cpt(\d+)\.pth$")
 SHARD_RE = re.compile(r"fsdp_sharded_cpt(\d+)_rank(\d+|\{rank\})\.pth$")
@@ -224,6 +225,16 @@ def read_sharded(directory: str, step: int) -> list[dict]:
     return files
 
 
+def _whole_model(files: list[dict]) -> dict:
+    """The full model state dict from a sharded set's rank files, tied names included."""
+    model = {name: _whole([f["model"][name] for f in files]) for name in files[0]["model"]}
+    return model | {alias: model[name] for alias, name in files[0]["aliases"].items()}
+
+
+def _whole(pieces: list[dict]) -> torch.Tensor:
+    return _assemble(pieces, 0, pieces[0]["shape"][0]).clone()  # clone: off the memory maps
+
+
 def consolidate(shard_file: str, out_path: str) -> None:
     """Sharded checkpoint -> one full file, offline: as fsdp_cpt{step}.pth of the same step."""
     match = SHARD_RE.search(os.path.basename(shard_file))
@@ -231,23 +242,44 @@ def consolidate(shard_file: str, out_path: str) -> None:
         raise UserError(f"{shard_file} is not named fsdp_sharded_cpt{{step}}_rank{{rank}}.pth")
     files = read_sharded(os.path.dirname(shard_file), int(match.group(1)))
     first = files[0]
-
-    def whole(pieces: list[dict]) -> torch.Tensor:
-        return _assemble(pieces, 0, pieces[0]["shape"][0]).clone()  # clone: off the memory maps
-
-    model = {name: whole([f["model"][name] for f in files]) for name in first["model"]}
-    model |= {alias: model[name] for alias, name in first["aliases"].items()}
-    state = {name: {key: whole([f["optimizer"][name][key] for f in files]) if isinstance(value, dict) else value
+    state = {name: {key: _whole([f["optimizer"][name][key] for f in files]) if isinstance(value, dict) else value
                     for key, value in saved.items()} for name, saved in first["optimizer"].items()}
     header = {k: first[k] for k in ("step", "model_config", "config", "train_state")}
-    save_atomically(header | {"model": model, "optimizer": {"state": state, "param_groups": first["param_groups"]}},
-                    out_path)
+    save_atomically(header | {"model": _whole_model(files),
+                              "optimizer": {"state": state, "param_groups": first["param_groups"]}}, out_path)
+
+
+def read_model(path: str) -> tuple[dict, dict]:
+    """(checkpoint, full model state dict) in one process, no process group: from a full file,
+    any rank's file of a sharded set, or a folder (its newest complete checkpoint)."""
+    if os.path.isdir(path):
+        found = sorted(complete_checkpoints(path), reverse=True)
+        if not found:
+            raise UserError(f"no complete checkpoint in {path}/")
+        step, kind = found[0]
+        path = full_path(path, step) if kind == "full" else shard_path(path, step, 0)
+    if match := SHARD_RE.search(os.path.basename(path)):
+        files = read_sharded(os.path.dirname(path), int(match.group(1)))
+        return files[0], _whole_model(files)
+    ckpt = load_file(path)
+    return ckpt, ckpt["model"]
+
+
+def load_gpt(path: str, device: torch.device) -> tuple[GPT, dict]:
+    """A plain model.GPT in eval mode with a checkpoint's weights, and the checkpoint."""
+    ckpt, state = read_model(path)
+    with torch.device("meta"):
+        model = GPT(GPTConfig(**ckpt["model_config"]))
+    model.load_state_dict(state, assign=True)
+    model.tie_weights()
+    return model.to(device).eval(), ckpt
 
 
 class CheckpointManager:
     def __init__(self, cfg, topo):
         self.cfg, self.topo, self.dir = cfg, topo, cfg.checkpoint_dir
         self._pending = None  # the save being written: step, paths, thread, error
+        self.last_saved = None  # this rank's file of the newest finished save
         if topo.is_main:
             os.makedirs(self.dir, exist_ok=True)
         dist.barrier()
@@ -304,6 +336,7 @@ class CheckpointManager:
             dist.barrier()  # every rank's file is renamed into place before the marker says so
             if self.topo.is_main:
                 save_atomically({"step": pending["step"], "world_size": self.topo.world_size}, pending["marker"])
+        self.last_saved = pending["path"]
         if self.topo.is_main:
             print(f"saved checkpoint {pending['marker'] or pending['path']}", flush=True)
         self._prune()

@@ -21,9 +21,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 from config import UserError, parse_args, to_yaml
 from data import BatchLoader, get_tokenizer, prepare_data
+from evaluate import val_loss_sums
 from fsdp_ckpt import CheckpointManager
 from metrics import ProgressLog, device_peak_flops
 from model import GPT, GPTConfig
+from sample import complete
 
 # strategy -> (mesh layout, reshard parameters after forward)
 STRATEGY_TABLE = {
@@ -33,6 +35,7 @@ STRATEGY_TABLE = {
     "HYBRID_SHARD": ("hybrid", True),
     "HYBRID_SHARD_ZERO2": ("hybrid", False),
 }
+EVAL_SAMPLE_TOKENS = 64  # text generated at each eval, shown in TensorBoard
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -172,15 +175,15 @@ def set_gradient_sync(model: torch.nn.Module, enabled: bool) -> None:
 
 
 @torch.no_grad()
-def evaluate(model, loader: BatchLoader, n_windows: int, device: torch.device) -> float:
-    """Mean loss over the first n_windows val windows, whatever the world size."""
+def evaluate(model, gpt: GPT, loader: BatchLoader, n_windows: int, tokenizer, seed: int) -> tuple[float, str]:
+    """Mean loss over the first n_windows val windows (whatever the world size), and a text sample."""
     model.eval()
-    total = torch.zeros(2, dtype=torch.float64, device=device)  # (loss sum, window count)
-    for x, y, weight in loader.val_batches(n_windows):
-        logits, _ = model(x)
-        per_window = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none").view_as(y).mean(1)
-        total += torch.stack([(per_window * weight).sum(), weight.sum()]).double()
+    total = val_loss_sums(model, loader, n_windows)
     dist.all_reduce(total)
+    # every rank generates the same tokens: the forwards' gathers are collectives; eager, as
+    # compiled blocks would recompile for each new sequence length
+    with torch.compiler.set_stance("force_eager"):
+        text = complete(gpt, tokenizer, "", EVAL_SAMPLE_TOKENS, seed=seed, device=loader.device)
     # with no backward to follow, FSDP leaves units that skip resharding after forward (the
     # root, the last block, all under SHARD_GRAD_OP) gathered: free them, and let the
     # parameters seen by checkpoints be the sharded ones again
@@ -188,7 +191,7 @@ def evaluate(model, loader: BatchLoader, n_windows: int, device: torch.device) -
         if isinstance(module, FSDPModule):
             module.reshard()
     model.train()
-    return (total[0] / total[1]).item()
+    return (total[0] / total[1]).item(), text
 
 
 def train(cfg) -> None:
@@ -199,11 +202,12 @@ def train(cfg) -> None:
                         f"x {world} ranks = {cfg.micro_batch * world}")
     accum_steps = cfg.train_batch // (cfg.micro_batch * world)
     meta = prepare_data(cfg.data_path, cfg.data_source, cfg.tokenizer)
+    cfg.tokenizer = meta["tokenizer"]  # what the data holds: sampling and export decode with it
+    tokenizer = get_tokenizer(cfg.tokenizer)
     if cfg.vocab_size is None:
-        tokenizer_vocab = meta["vocab_size"] or get_tokenizer(meta["tokenizer"]).n_vocab
-        cfg.vocab_size = -(-tokenizer_vocab // 64) * 64
-    if cfg.vocab_size < (meta["vocab_size"] or 0):
-        raise UserError(f"vocab_size={cfg.vocab_size} is smaller than the tokenizer's {meta['vocab_size']} tokens")
+        cfg.vocab_size = -(-tokenizer.n_vocab // 64) * 64
+    if cfg.vocab_size < tokenizer.n_vocab:
+        raise UserError(f"vocab_size={cfg.vocab_size} is smaller than the tokenizer's {tokenizer.n_vocab} tokens")
     gpt_cfg = GPTConfig(**cfg.model_shape, dropout=cfg.dropout)
     if topo.is_main:
         print(to_yaml(cfg), end="")
@@ -229,7 +233,7 @@ def train(cfg) -> None:
     scaler = torch.amp.GradScaler(device.type, enabled=compute_dtype(cfg, device) == torch.float16)
     n_val_windows = cfg.eval_iters * cfg.train_batch
     if step == 0:
-        log.val(0, evaluate(model, loader, n_val_windows, device))
+        log.val(0, *evaluate(model, gpt, loader, n_val_windows, tokenizer, cfg.seed))
     log.start(step)
     stop_signal = StopSignal()
     while step < cfg.max_iters:
@@ -256,9 +260,11 @@ def train(cfg) -> None:
             grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
             log.train(step, loss_sum.item() / (accum_steps * world), lr, grad_norm.item())
         if step % cfg.eval_interval == 0 or last:
-            log.val(step, evaluate(model, loader, n_val_windows, device))
+            log.val(step, *evaluate(model, gpt, loader, n_val_windows, tokenizer, cfg.seed))
+            log.start(step)  # tokens/s and ETA count training time only
         if step % cfg.save_interval == 0 or last:
             ckpt.save(step, model, optimizer)
+            log.start(step)
         if stop:
             if topo.is_main:
                 print(f"SIGTERM: stopped after step {step} with its checkpoint saved", flush=True)
@@ -266,7 +272,7 @@ def train(cfg) -> None:
     ckpt.close()
     log.close()
     if topo.is_main:
-        print(f"done: checkpoints in {cfg.checkpoint_dir}/, TensorBoard logs in {cfg.tensorboard_dir}/", flush=True)
+        print(f"done: last checkpoint {ckpt.last_saved}, TensorBoard logs in {cfg.tensorboard_dir}/", flush=True)
     dist.destroy_process_group()
 
 

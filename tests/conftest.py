@@ -58,3 +58,23 @@ def corpus(tmp_path_factory) -> dict:
     data_path = str(tmp_path_factory.mktemp("data") / "tiny")
     source = os.path.join(stdlib, "json", "*.py")
     return dict(data_path=data_path, data_source=f"[{source}, {os.path.join(stdlib, 'email', '*.py')}]")
+
+
+# 24 sequences a step: 1, 2, 3 and 4 ranks each take whole micro-batches of 2
+RUN = dict(train_batch=24, max_iters=6, save_interval=3, eval_interval=3)
+
+
+@pytest.fixture(scope="session")
+def two_rank_runs(corpus, tmp_path_factory):
+    """Two 2-rank runs of 6 steps, checkpointing at 3 and 6: one full, one sharded (written async)."""
+    runs = {}
+    for kind in ("full", "sharded"):
+        run_dir = str(tmp_path_factory.mktemp(kind))
+        run_trainer(run_dir, nproc=2, checkpoint_type=kind, async_save=kind == "sharded", **RUN, **corpus)
+        runs[kind] = run_dir
+    return runs
+
+
+def checkpoint_of(run_dir, kind, step, rank=1):
+    name = f"fsdp_cpt{step}.pth" if kind == "full" else f"fsdp_sharded_cpt{step}_rank{rank}.pth"
+    return os.path.join(run_dir, "ckpt", name)

@@ -12,27 +12,9 @@ import torch
 
 import fsdp_ckpt
 from config import UserError
-from conftest import DEMO, ROOT, TINY, overrides, run_trainer, scalars, trainer_cmd
+from conftest import DEMO, ROOT, RUN, TINY, checkpoint_of, overrides, run_trainer, scalars, trainer_cmd
 
 pytestmark = pytest.mark.slow
-# 24 sequences a step: 1, 2, 3 and 4 ranks each take whole micro-batches of 2
-RUN = dict(train_batch=24, max_iters=6, save_interval=3, eval_interval=3)
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(corpus, tmp_path_factory):
-    """Two 2-rank runs of 6 steps, checkpointing at 3 and 6: one full, one sharded (written async)."""
-    runs = {}
-    for kind in ("full", "sharded"):
-        run_dir = str(tmp_path_factory.mktemp(kind))
-        run_trainer(run_dir, nproc=2, checkpoint_type=kind, async_save=kind == "sharded", **RUN, **corpus)
-        runs[kind] = run_dir
-    return runs
-
-
-def checkpoint_of(run_dir, kind, step):
-    name = f"fsdp_cpt{step}.pth" if kind == "full" else f"fsdp_sharded_cpt{step}_rank1.pth"
-    return os.path.join(run_dir, "ckpt", name)
 
 
 def resumed_losses(tmp_path, resume_from, nproc=2, **kwargs):
@@ -42,29 +24,29 @@ def resumed_losses(tmp_path, resume_from, nproc=2, **kwargs):
 
 
 @pytest.mark.parametrize("kind", ["full", "sharded"])
-def test_same_size_resume_is_bitwise(kind, uninterrupted, corpus, tmp_path):
-    got = resumed_losses(tmp_path, checkpoint_of(uninterrupted[kind], kind, 3), **corpus)
-    expected = scalars(os.path.join(uninterrupted[kind], "tb"), "train/loss")
+def test_same_size_resume_is_bitwise(kind, two_rank_runs, corpus, tmp_path):
+    got = resumed_losses(tmp_path, checkpoint_of(two_rank_runs[kind], kind, 3), **corpus)
+    expected = scalars(os.path.join(two_rank_runs[kind], "tb"), "train/loss")
     assert sorted(got) == [4, 5, 6]
     assert all(got[s] == expected[s] for s in got), (got, expected)  # bitwise
 
 
 @pytest.mark.parametrize("kind", ["full", "sharded"])
 @pytest.mark.parametrize("nproc, strategy", [(1, "FULL_SHARD"), (3, "FULL_SHARD"), (4, "HYBRID_SHARD")])
-def test_resume_on_another_world_size_and_strategy(kind, nproc, strategy, uninterrupted, corpus, tmp_path):
-    got = resumed_losses(tmp_path, checkpoint_of(uninterrupted[kind], kind, 3), nproc=nproc,
+def test_resume_on_another_world_size_and_strategy(kind, nproc, strategy, two_rank_runs, corpus, tmp_path):
+    got = resumed_losses(tmp_path, checkpoint_of(two_rank_runs[kind], kind, 3), nproc=nproc,
                          sharding_strategy=strategy, fsdp_size=2 if strategy == "HYBRID_SHARD" else None, **corpus)
-    expected = scalars(os.path.join(uninterrupted[kind], "tb"), "train/loss")
+    expected = scalars(os.path.join(two_rank_runs[kind], "tb"), "train/loss")
     assert sorted(got) == [4, 5, 6]
     for step in got:
         assert got[step] == pytest.approx(expected[step], rel=1e-4), step
 
 
-def test_consolidated_sharded_equals_full(uninterrupted, tmp_path):
+def test_consolidated_sharded_equals_full(two_rank_runs, tmp_path):
     out = str(tmp_path / "consolidated.pth")
     subprocess.run([sys.executable, fsdp_ckpt.__file__, "consolidate",
-                    checkpoint_of(uninterrupted["sharded"], "sharded", 6), out], check=True, timeout=120)
-    full = torch.load(checkpoint_of(uninterrupted["full"], "full", 6), weights_only=True)
+                    checkpoint_of(two_rank_runs["sharded"], "sharded", 6), out], check=True, timeout=120)
+    full = torch.load(checkpoint_of(two_rank_runs["full"], "full", 6), weights_only=True)
     merged = torch.load(out, weights_only=True)
     assert merged["model"].keys() == full["model"].keys()
     for name, tensor in full["model"].items():
@@ -77,7 +59,7 @@ def test_consolidated_sharded_equals_full(uninterrupted, tmp_path):
     assert merged["step"] == full["step"] == 6
 
 
-def test_killed_worker_restarts_from_latest(uninterrupted, corpus, tmp_path):
+def test_killed_worker_restarts_from_latest(two_rank_runs, corpus, tmp_path):
     """SIGKILL one of two workers mid-run under --max-restarts: the run ends as if nothing happened."""
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                 "--max-restarts=2", os.path.join(ROOT, "train_fsdp.py")]
@@ -94,7 +76,7 @@ def test_killed_worker_restarts_from_latest(uninterrupted, corpus, tmp_path):
     output = agent.communicate(timeout=240)[0]
     assert agent.returncode == 0, output[-3000:]
     assert "resumed from" in output and "at step 2" in output
-    expected = scalars(os.path.join(uninterrupted["full"], "tb"), "train/loss")
+    expected = scalars(os.path.join(two_rank_runs["full"], "tb"), "train/loss")
     assert scalars(str(tmp_path / "tb"), "train/loss")[6] == expected[6]
 
 
@@ -181,11 +163,11 @@ def test_kills_during_saves_leave_every_visible_checkpoint_loadable(corpus, tmp_
     assert f"at step {newest[0]}" in result.stdout
 
 
-def test_resharded_checkpoint_resumes_bitwise_at_the_original_size(uninterrupted, corpus, tmp_path):
+def test_resharded_checkpoint_resumes_bitwise_at_the_original_size(two_rank_runs, corpus, tmp_path):
     """2-rank shards -> consolidated into one full file -> resumed on 2 ranks: bitwise."""
     out = str(tmp_path / "fsdp_cpt3.pth")
     subprocess.run([sys.executable, fsdp_ckpt.__file__, "consolidate",
-                    checkpoint_of(uninterrupted["sharded"], "sharded", 3), out], check=True, timeout=120)
+                    checkpoint_of(two_rank_runs["sharded"], "sharded", 3), out], check=True, timeout=120)
     got = resumed_losses(tmp_path, out, **corpus)
-    expected = scalars(os.path.join(uninterrupted["sharded"], "tb"), "train/loss")
+    expected = scalars(os.path.join(two_rank_runs["sharded"], "tb"), "train/loss")
     assert sorted(got) == [4, 5, 6] and all(got[s] == expected[s] for s in got)

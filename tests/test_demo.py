@@ -1,5 +1,6 @@
 """The README's first command: the CPU demo trains offline on a fresh folder within 4 minutes."""
 import os
+import re
 import subprocess
 import sys
 
@@ -22,3 +23,10 @@ def test_demo_trains_and_val_loss_falls(tmp_path):
     assert max(val) == 200
     assert last <= 0.6 * first, (first, last)
     assert os.path.isfile(tmp_path / "checkpoints" / "fsdp_cpt200.pth")
+    # progress: one line per log interval (25 steps), each with a finite ETA that shrinks to zero
+    progress = re.findall(r"^step (\d+)/200 \| loss [\d.]+ \| lr \S+ \| [\d,]+ tok/s \| MFU [\d.]+% "
+                          r"\| mem [\d.]+ GB \| ETA (\d+)m(\d\d)s$", result.stdout, re.MULTILINE)
+    assert [int(step) for step, _, _ in progress] == list(range(25, 201, 25))
+    eta = [60 * int(m) + int(s) for _, m, s in progress]
+    assert eta[0] > eta[len(eta) // 2] > eta[-1] == 0, eta
+    assert result.stdout.rstrip().endswith("done: last checkpoint checkpoints/fsdp_cpt200.pth, TensorBoard logs in tensorboard/demo_cpu/")

@@ -1,0 +1,158 @@
+"""Training speed, measured side by side in one run: alternating runs, medians, ratios.
+
+    python bench/speed.py plain [--rounds 3] [--compile]  # trainer vs a plain PyTorch loop, 1 process
+    python bench/speed.py scaling [--rounds 1]            # 2 and 4 ranks vs 1, each strategy and DDP
+    python bench/speed.py loader                          # data loader tokens/s vs the trainer's
+
+The model: 4 layers, 256 wide, block 128, batch 16, fp32, byte tokens (the demo's data).
+Each run's tokens/s is the median over intervals of WARMUP steps after the first interval
+(start-up, compilation). Threads per rank: the machine's cores divided by the ranks.
+"""
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from config import parse_args  # noqa: E402
+from data import BatchLoader, prepare_data  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
+
+DEMO = os.path.join(ROOT, "config", "demo_cpu.yaml")
+SHAPE = dict(n_layer=4, n_head=4, n_embd=256, block_size=128)
+BATCH, WARMUP, STEPS = 16, 3, 12  # timed: steps WARMUP+1 .. WARMUP+STEPS, in intervals of WARMUP
+STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2", "DDP")
+
+
+def demo_data() -> str:
+    cfg = parse_args([DEMO])
+    prepare_data(cfg.data_path, cfg.data_source, cfg.tokenizer)
+    return os.path.abspath(cfg.data_path)
+
+
+def median_after_warmup(rates: list[float]) -> float:
+    return statistics.median(rates[1:])
+
+
+def run(cmd: list[str], nproc: int, workdir: str) -> str:
+    env = dict(os.environ, OMP_NUM_THREADS=str(max(1, os.cpu_count() // nproc)))
+    result = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=1200)
+    if result.returncode:
+        sys.exit(f"failed: {' '.join(cmd)}\n{result.stderr[-2000:]}")
+    return result.stdout
+
+
+def trainer_rate(nproc: int, workdir: str, strategy: str = "FULL_SHARD", compile: bool = False) -> float:
+    """Tokens/s the trainer logs (rank 0's line: the whole global batch)."""
+    launch = [sys.executable] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    mode = ["--fsdp=false"] if strategy == "DDP" else [f"--sharding_strategy={strategy}", "--fsdp_size=2"]
+    settings = SHAPE | dict(
+        train_batch=BATCH, micro_batch=BATCH // nproc, max_iters=WARMUP + STEPS, log_interval=WARMUP,
+        eval_interval=10 ** 6, eval_iters=1, save_interval=10 ** 6, dtype="fp32", compile=compile,
+        checkpoint_dir="ckpt", tensorboard_dir="tb", data_path=demo_data())
+    out = run(launch + [os.path.join(ROOT, "train_fsdp.py"), DEMO] + mode +
+              [f"--{k}={v}" for k, v in settings.items()], nproc, workdir)
+    return median_after_warmup([float(r.replace(",", "")) for r in re.findall(r"\| ([\d,]+) tok/s", out)])
+
+
+def plain_rate(workdir: str, compile: bool) -> float:
+    out = run([sys.executable, __file__, "_plain_loop"] + (["--compile"] if compile else []), 1, workdir)
+    return median_after_warmup([float(r) for r in out.split()])
+
+
+def plain_loop(compile: bool) -> None:
+    """What a user would write without this trainer: same model, batch, AdamW, clipping."""
+    torch.manual_seed(0)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    data = np.memmap(os.path.join(demo_data(), "train.bin"), dtype=np.uint16, mode="r")
+    model = GPT(GPTConfig(vocab_size=256, **SHAPE)).to(device)
+    if compile:
+        model.compile()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1,
+                                  fused=device.type == "cuda")
+    T = SHAPE["block_size"]
+    mark = time.perf_counter()
+    for step in range(1, WARMUP + STEPS + 1):
+        starts = torch.randint(len(data) - T - 1, (BATCH,)).tolist()
+        xy = torch.from_numpy(np.stack([data[s:s + T + 1] for s in starts]).astype(np.int64)).to(device)
+        _, loss = model(xy[:, :-1], xy[:, 1:])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step % WARMUP == 0:
+            loss.item()  # wait for the device, as the trainer's log line does
+            now = time.perf_counter()
+            print(WARMUP * BATCH * T / (now - mark), flush=True)
+            mark = now
+
+
+def bench_plain(rounds: int, compile: bool, workdir: str) -> None:
+    trainer, plain = [], []
+    for _ in range(rounds):  # alternate: drifts of a shared machine hit both sides alike
+        trainer.append(trainer_rate(1, workdir, compile=compile))
+        plain.append(plain_rate(workdir, compile))
+        print(f"  trainer {trainer[-1]:,.0f} tok/s, plain loop {plain[-1]:,.0f} tok/s", flush=True)
+    t, p = statistics.median(trainer), statistics.median(plain)
+    print(f"compile={compile}: trainer {t:,.0f} tok/s, plain loop {p:,.0f} tok/s, ratio {t / p:.3f} "
+          f"(medians of {rounds} alternating runs)")
+
+
+def bench_scaling(rounds: int, workdir: str) -> None:
+    ratios = {(s, n): [] for s in STRATEGIES for n in (2, 4)}
+    base = []
+    for _ in range(rounds):
+        base.append(trainer_rate(1, workdir))
+        for strategy, nproc in ratios:
+            ratios[strategy, nproc].append(trainer_rate(nproc, workdir, strategy) / base[-1])
+            print(f"  {strategy} x{nproc}: {ratios[strategy, nproc][-1]:.3f} of 1 rank", flush=True)
+    print(f"1 rank: {statistics.median(base):,.0f} tok/s ({os.cpu_count()} threads)")
+    print("| strategy | 2 ranks / 1 | 4 ranks / 1 |\n| --- | --- | --- |")
+    for strategy in STRATEGIES:
+        print(f"| {strategy} | {statistics.median(ratios[strategy, 2]):.2f} | {statistics.median(ratios[strategy, 4]):.2f} |")
+
+
+def bench_loader(workdir: str) -> None:
+    path = demo_data()
+    meta = prepare_data(path, None, "bytes")
+    loader = BatchLoader(path, meta, SHAPE["block_size"], BATCH, BATCH, 0, 1, 0, torch.device("cpu"))
+    n_steps, start = 200, time.perf_counter()
+    for step in range(1, n_steps + 1):
+        for x, y in loader.micro_batches(step):
+            pass
+    loader_rate = n_steps * BATCH * SHAPE["block_size"] / (time.perf_counter() - start)
+    consumed = trainer_rate(1, workdir)
+    print(f"loader {loader_rate:,.0f} tok/s, trainer consumes {consumed:,.0f} tok/s: "
+          f"{loader_rate / consumed:.0f}x headroom")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("what", choices=("plain", "scaling", "loader", "_plain_loop"))
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--compile", action="store_true", help="plain: compile both sides")
+    args = parser.parse_args()
+    if args.what == "_plain_loop":
+        return plain_loop(args.compile)
+    workdir = os.path.join(ROOT, "bench", "runs")
+    os.makedirs(workdir, exist_ok=True)
+    print(f"{time.strftime('%Y-%m-%d')}, torch {torch.__version__}, {os.cpu_count()} CPU cores, "
+          f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU'}")
+    if args.what == "plain":
+        bench_plain(args.rounds, args.compile, workdir)
+    elif args.what == "scaling":
+        bench_scaling(args.rounds, workdir)
+    else:
+        bench_loader(workdir)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""Validation loss: the sums the trainer reduces at every eval, and a standalone evaluation.
+
+python evaluate.py CHECKPOINT [--data_path PATH] [--eval_iters N] [--micro_batch M]
+
+val/loss is the mean next-token loss over the first eval_iters * train_batch windows of
+block_size tokens of val.bin (fewer if val.bin is shorter): the same tokens at any world
+size, so a checkpoint evaluated here matches what its run logged at that step.
+"""
+import argparse
+import math
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from config import UserError
+from data import BatchLoader, prepare_data
+from fsdp_ckpt import load_gpt
+
+
+@torch.no_grad()
+def val_loss_sums(model, loader: BatchLoader, n_windows: int) -> torch.Tensor:
+    """(sum of per-window mean losses, number of windows) over this rank's share, float64."""
+    total = torch.zeros(2, dtype=torch.float64, device=loader.device)
+    for x, y, weight in loader.val_batches(n_windows):
+        logits, _ = model(x)
+        per_window = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none").view_as(y).mean(1)
+        total += torch.stack([(per_window * weight).sum(), weight.sum()]).double()
+    return total
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("checkpoint", help="a full file, any rank's file of a sharded set, or a folder")
+    parser.add_argument("--data_path", help="a prepared dataset (default: the run's)")
+    parser.add_argument("--eval_iters", type=int, help="default: the run's; windows = eval_iters * train_batch")
+    parser.add_argument("--micro_batch", type=int, help="sequences per forward (default: the run's)")
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        model, ckpt = load_gpt(args.checkpoint, device)
+        run = ckpt["config"]
+        meta = prepare_data(args.data_path or run["data_path"], None, run["tokenizer"])
+        if meta["tokenizer"] != run["tokenizer"]:
+            raise UserError(f"the dataset was tokenized with '{meta['tokenizer']}', the model trained on "
+                            f"'{run['tokenizer']}': evaluate on data prepared with '{run['tokenizer']}'")
+        micro_batch = args.micro_batch or run["micro_batch"]
+        loader = BatchLoader(args.data_path or run["data_path"], meta, model.config.block_size,
+                             micro_batch, micro_batch, 0, 1, run["seed"], device)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    n_windows = (args.eval_iters or run["eval_iters"]) * run["train_batch"]
+    loss_sum, windows = val_loss_sums(model, loader, n_windows).tolist()
+    loss = loss_sum / windows
+    print(f"step {ckpt['step']} | val loss {loss:.6f} | perplexity {math.exp(loss):.3f} "
+          f"| {int(windows)} windows of {model.config.block_size} tokens")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,50 @@
+"""Sample text from a checkpoint, in one process (no torchrun), on GPU when there is one.
+
+python sample.py CHECKPOINT [--prompt TEXT] [--max_new_tokens N] [--temperature T] [--top_k K] [--seed S]
+
+CHECKPOINT: a full file, any rank's file of a sharded set, or a folder (its newest complete
+checkpoint). Text is encoded and decoded with the tokenizer the data was prepared with.
+"""
+import argparse
+import sys
+
+import torch
+
+from config import UserError
+from data import get_tokenizer
+from fsdp_ckpt import load_gpt
+
+
+def complete(model, tokenizer, prompt: str, max_new_tokens: int, temperature: float = 1.0,
+             top_k: int | None = None, seed: int = 0, device: torch.device = torch.device("cpu")) -> str:
+    """The prompt and its sampled continuation; an empty prompt starts after a document separator."""
+    ids = tokenizer.encode_ordinary(prompt) or [tokenizer.eot_token]
+    generator = torch.Generator(device).manual_seed(seed)
+    out = model.generate(torch.tensor([ids], device=device), max_new_tokens, temperature, top_k, generator)
+    # the vocabulary is padded to a multiple of 64: ids past the tokenizer's have no text
+    return tokenizer.decode([i for i in out[0].tolist() if i < tokenizer.n_vocab and i != tokenizer.eot_token])
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("checkpoint")
+    parser.add_argument("--prompt", default="")
+    parser.add_argument("--max_new_tokens", type=int, default=200)
+    parser.add_argument("--temperature", type=float, default=0.8)
+    parser.add_argument("--top_k", type=int, default=200, help="0: no top-k cut")
+    parser.add_argument("--seed", type=int, default=1)
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        model, ckpt = load_gpt(args.checkpoint, device)
+        tokenizer = get_tokenizer(ckpt["config"]["tokenizer"])
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(complete(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_k or None,
+                   args.seed, device))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,25 @@
+"""Gradient accumulation reduces gradients once per optimizer step, not once per micro-batch."""
+import json
+import os
+import sys
+
+import pytest
+
+from conftest import ROOT, TINY, run_trainer
+
+pytestmark = pytest.mark.slow
+STEPS = 3
+
+
+@pytest.mark.parametrize("strategy, collective", [("FULL_SHARD", "reduce_scatter"), ("NO_SHARD", "all_reduce")])
+def test_one_gradient_reduction_per_unit_per_step(strategy, collective, corpus, tmp_path):
+    probe = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+             os.path.join(ROOT, "tests", "collective_probe.py")]
+    # 2 ranks x micro_batch 2 x 4 micro-steps = 16 sequences a step
+    result = run_trainer(str(tmp_path), launcher=probe, train_batch=16, micro_batch=2, max_iters=STEPS,
+                         sharding_strategy=strategy, **corpus)
+    assert "gradient accumulation 4" in result.stdout
+    counts = json.loads(result.stdout.strip().splitlines()[-1])
+    units = TINY["n_layer"] + 1  # each DecoderBlock, and the root
+    assert sum(counts.values()) == STEPS * units, counts  # 4x that if every micro-batch reduced
+    assert all(name.startswith(collective) for name in counts), counts
