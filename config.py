@@ -68,6 +68,7 @@ class TrainConfig:
     log_interval: int = 10
     eval_interval: int = 500
     eval_iters: int = 20  # val/loss covers eval_iters * train_batch sequences
+    sample_tokens: int = 64  # text sampled at each eval, shown in TensorBoard (0: none)
     tensorboard_dir: str = "tensorboard"
     seed: int = 1337
 
@@ -163,6 +164,7 @@ def validate(cfg: TrainConfig) -> None:
                 "log_interval", "eval_interval", "eval_iters", "save_interval"):
         require(getattr(cfg, key) > 0, f"config key '{key}' must be positive, got {getattr(cfg, key)}")
     require(cfg.max_iters >= 0, f"max_iters must be 0 or more, got {cfg.max_iters}")
+    require(cfg.sample_tokens >= 0, f"sample_tokens must be 0 or more, got {cfg.sample_tokens}")
     require(cfg.n_embd % cfg.n_head == 0,
             f"n_head={cfg.n_head} must divide n_embd={cfg.n_embd}: pick n_embd as a multiple of n_head")
     require(cfg.train_batch % cfg.micro_batch == 0,

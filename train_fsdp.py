@@ -22,7 +22,7 @@ from config import UserError, parse_args, to_yaml
 from data import BatchLoader, get_tokenizer, prepare_data
 from evaluate import val_loss_sums
 from fsdp_ckpt import CheckpointManager
-from metrics import ProgressLog, device_peak_flops
+from metrics import ProgressLog, device_peak_flops, per_rank_memory
 from model import GPT, GPTConfig
 from sample import complete
 
@@ -34,7 +34,6 @@ STRATEGY_TABLE = {
     "HYBRID_SHARD": ("hybrid", True),
     "HYBRID_SHARD_ZERO2": ("hybrid", False),
 }
-EVAL_SAMPLE_TOKENS = 64  # text generated at each eval, shown in TensorBoard
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -80,6 +79,9 @@ def build_mesh(cfg, world: int, local_world: int, device: torch.device) -> Devic
     if layout == "flat":
         return init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
     shard = 1 if layout == "replicate" else (cfg.fsdp_size or local_world)
+    if shard > world:
+        raise UserError(f"{cfg.sharding_strategy} with fsdp_size={shard} needs at least {shard} ranks, launched "
+                        f"{world}: launch a multiple of {shard} ranks or set --fsdp_size to a divisor of {world}")
     if world % shard:
         raise UserError(f"fsdp_size={shard} must divide the world size {world} for {cfg.sharding_strategy}: "
                         f"launch a multiple of {shard} ranks or set --fsdp_size to a divisor of {world}")
@@ -97,6 +99,8 @@ def compute_dtype(cfg, device: torch.device) -> torch.dtype:
 def build_model(cfg, gpt_cfg: GPTConfig, topo: Topology) -> torch.nn.Module:
     with torch.device("meta"):
         model = GPT(gpt_cfg)
+    if topo.is_main:  # before the (for large models, long) initialisation
+        print(f"parameters: {model.num_params():,} ({model.num_params() / 1e6:.1f}M)", flush=True)
     model.activation_checkpointing = cfg.activation_checkpointing
     if cfg.compile:
         for block in model.blocks:
@@ -128,14 +132,15 @@ def build_model(cfg, gpt_cfg: GPTConfig, topo: Topology) -> torch.nn.Module:
     return model
 
 
-def build_optimizer(cfg, model: torch.nn.Module, device: torch.device) -> torch.optim.AdamW:
+def build_optimizer(cfg, model: torch.nn.Module) -> torch.optim.AdamW:
     # weight decay on matmul and embedding weights; none on biases and LayerNorm parameters
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         (no_decay if name.endswith("bias") or ".ln_" in name or "ln_f" in name else decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),
-                             fused=device.type == "cuda")
+    # fused: one kernel over all parameters, on GPU and CPU alike; the per-tensor (foreach)
+    # path costs several times more on FSDP's DTensors
+    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), fused=True)
 
 
 def lr_at(cfg, step: int) -> float:
@@ -174,15 +179,18 @@ def set_gradient_sync(model: torch.nn.Module, enabled: bool) -> None:
 
 
 @torch.no_grad()
-def evaluate(model, gpt: GPT, loader: BatchLoader, n_windows: int, tokenizer, seed: int) -> tuple[float, str]:
-    """Mean loss over the first n_windows val windows (whatever the world size), and a text sample."""
+def evaluate(model, gpt: GPT, loader: BatchLoader, cfg, tokenizer) -> tuple[float, str]:
+    """Mean loss over the first eval_iters * train_batch val windows (whatever the world size),
+    and a text sample."""
     model.eval()
-    total = val_loss_sums(model, loader, n_windows)
+    total = val_loss_sums(model, loader, cfg.eval_iters * cfg.train_batch)
     dist.all_reduce(total)
-    # every rank generates the same tokens: the forwards' gathers are collectives; eager, as
-    # compiled blocks would recompile for each new sequence length
-    with torch.compiler.set_stance("force_eager"):
-        text = complete(gpt, tokenizer, "", EVAL_SAMPLE_TOKENS, seed=seed, device=loader.device)
+    text = ""
+    if cfg.sample_tokens:
+        # every rank generates the same tokens: each forward's gathers are collectives; eager,
+        # as compiled blocks would recompile for every new sequence length
+        with torch.compiler.set_stance("force_eager"):
+            text = complete(gpt, tokenizer, "", cfg.sample_tokens, seed=cfg.seed, device=loader.device)
     # with no backward to follow, FSDP leaves units that skip resharding after forward (the
     # root, the last block, all under SHARD_GRAD_OP) gathered: free them, and let the
     # parameters seen by checkpoints be the sharded ones again
@@ -217,22 +225,17 @@ def train(cfg) -> None:
               f"gradient accumulation {accum_steps}", flush=True)
     model = build_model(cfg, gpt_cfg, topo)
     gpt = getattr(model, "module", model)  # the GPT under a DDP wrapper; FSDP2 keeps the module itself
-    n_params = gpt.num_params()
-    if topo.is_main:
-        print(f"parameters: {n_params:,} ({n_params / 1e6:.1f}M)", flush=True)
-    optimizer = build_optimizer(cfg, model, device)
+    optimizer = build_optimizer(cfg, model)
     ckpt = CheckpointManager(cfg, topo)
     step = ckpt.resume(cfg.resume_from, model, optimizer)
     loader = BatchLoader(cfg.data_path, meta, cfg.block_size, cfg.train_batch, cfg.micro_batch,
                          rank, world, cfg.seed, device)
     tokens_per_step = cfg.train_batch * cfg.block_size
     log = ProgressLog(topo.is_main, cfg.tensorboard_dir, cfg.max_iters, tokens_per_step,
-                      gpt.flops_per_token(),
-                      device_peak_flops(device) * world, device)
+                      gpt.flops_per_token(), device_peak_flops(device) * world)
     scaler = torch.amp.GradScaler(device.type, enabled=compute_dtype(cfg, device) == torch.float16)
-    n_val_windows = cfg.eval_iters * cfg.train_batch
     if step == 0:
-        log.val(0, *evaluate(model, gpt, loader, n_val_windows, tokenizer, cfg.seed))
+        log.val(0, *evaluate(model, gpt, loader, cfg, tokenizer))
     log.start(step)
     stop_signal = StopSignal()
     while step < cfg.max_iters:
@@ -257,9 +260,10 @@ def train(cfg) -> None:
         if step % cfg.log_interval == 0 or last:
             dist.all_reduce(loss_sum)  # every rank's share: the loss of the whole global batch
             grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-            log.train(step, loss_sum.item() / (accum_steps * world), lr, grad_norm.item())
+            log.train(step, loss_sum.item() / (accum_steps * world), lr, grad_norm.item(),
+                      per_rank_memory(model, optimizer, device))
         if step % cfg.eval_interval == 0 or last:
-            log.val(step, *evaluate(model, gpt, loader, n_val_windows, tokenizer, cfg.seed))
+            log.val(step, *evaluate(model, gpt, loader, cfg, tokenizer))
             log.start(step)  # tokens/s and ETA count training time only
         if step % cfg.save_interval == 0 or last:
             ckpt.save(step, model, optimizer)
@@ -269,7 +273,7 @@ def train(cfg) -> None:
                 print(f"SIGTERM: stopped after step {step} with its checkpoint saved", flush=True)
             break
     ckpt.close()
-    log.close()
+    log.close(per_rank_memory(model, optimizer, device))
     if topo.is_main:
         print(f"done: last checkpoint {ckpt.last_saved}, TensorBoard logs in {cfg.tensorboard_dir}/", flush=True)
     dist.destroy_process_group()

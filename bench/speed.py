@@ -33,8 +33,9 @@ STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID
 
 def demo_data() -> str:
     cfg = parse_args([DEMO])
-    prepare_data(cfg.data_path, cfg.data_source, cfg.tokenizer)
-    return os.path.abspath(cfg.data_path)
+    path = os.path.join(ROOT, cfg.data_path)
+    prepare_data(path, cfg.data_source, cfg.tokenizer)
+    return path
 
 
 def median_after_warmup(rates: list[float]) -> float:
@@ -76,8 +77,7 @@ def plain_loop(compile: bool) -> None:
     model = GPT(GPTConfig(vocab_size=256, **SHAPE)).to(device)
     if compile:
         model.compile()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1,
-                                  fused=device.type == "cuda")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     T = SHAPE["block_size"]
     mark = time.perf_counter()
     for step in range(1, WARMUP + STEPS + 1):

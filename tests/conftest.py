@@ -13,7 +13,8 @@ DEMO = os.path.join(ROOT, "config", "demo_cpu.yaml")
 # fp32, no dropout: runs that must agree step by step
 TINY = dict(n_layer=2, n_head=2, n_embd=64, block_size=32, dropout=0.0, dtype="fp32", train_batch=8,
             micro_batch=2, max_iters=8, warmup_iters=2, lr_decay_iters=8, learning_rate=3e-3, min_lr=3e-4,
-            log_interval=1, eval_interval=4, eval_iters=1, save_interval=1000, tokenizer="bytes", seed=7)
+            log_interval=1, eval_interval=4, eval_iters=1, save_interval=1000, tokenizer="bytes", seed=7,
+            sample_tokens=8)
 
 
 def trainer_cmd(nproc: int) -> list[str]:
@@ -27,12 +28,12 @@ def overrides(**kwargs) -> list[str]:
     return [f"--{k}={'null' if v is None else v}" for k, v in kwargs.items()]
 
 
-def run_trainer(run_dir, nproc=1, config=DEMO, timeout=300, check=True, launcher=None, **kwargs):
+def run_trainer(run_dir, nproc=1, config=DEMO, timeout=300, check=True, launcher=None, env=None, **kwargs):
     """Run train_fsdp.py (under torchrun for nproc > 1) with TINY settings plus kwargs."""
     settings = dict(TINY, checkpoint_dir=os.path.join(run_dir, "ckpt"),
                     tensorboard_dir=os.path.join(run_dir, "tb")) | kwargs
     cmd = (launcher or trainer_cmd(nproc)) + [config] + overrides(**settings)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1") | (env or {})
     result = subprocess.run(cmd, cwd=run_dir, env=env, capture_output=True, text=True, timeout=timeout)
     if check and result.returncode != 0:
         raise AssertionError(f"trainer failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")

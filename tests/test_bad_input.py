@@ -24,6 +24,8 @@ def assert_one_line_error(result, *phrases):
     ({"train_batch": 10, "micro_batch": 4}, ["micro_batch=4 must divide train_batch=10"]),
     ({"n_embd": 64, "n_head": 5}, ["n_head=5 must divide n_embd=64"]),
     ({"sharding_strategy": "ZERO3"}, ["sharding_strategy 'ZERO3'"]),
+    ({"fsdp_size": 0}, ["fsdp_size must be positive"]),
+    ({"sharding_strategy": "HYBRID_SHARD", "fsdp_size": 2}, ["HYBRID_SHARD with fsdp_size=2 needs at least 2 ranks"]),
     ({"data_source": None, "data_path": "no/such/folder"}, ["no prepared data in 'no/such/folder'"]),
     ({"data_source": "no/such/*.txt"}, ["data_source 'no/such/*.txt' matches no file"]),
 ])
