@@ -18,7 +18,7 @@ DEMO = os.path.join(ROOT, "config", "demo_cpu.yaml")
 MODEL = ["--n_layer=8", "--n_head=8", "--n_embd=512"]  # 25.2M parameters with byte tokens
 TINY = ["--n_layer=2", "--n_head=2", "--n_embd=64"]
 COMMON = ["--block_size=256", "--train_batch=8", "--micro_batch=2", "--max_iters=2", "--eval_iters=1",
-          "--dtype=fp32", "--checkpoint_type=sharded", "--log_interval=1"]
+          "--dtype=fp32", "--checkpoint_type=sharded", "--log_interval=1", "--sample_tokens=0"]
 ROWS = {
     "FULL_SHARD": ["--sharding_strategy=FULL_SHARD"],
     "SHARD_GRAD_OP": ["--sharding_strategy=SHARD_GRAD_OP"],

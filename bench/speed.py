@@ -57,7 +57,7 @@ def trainer_rate(nproc: int, workdir: str, strategy: str = "FULL_SHARD", compile
     mode = ["--fsdp=false"] if strategy == "DDP" else [f"--sharding_strategy={strategy}", "--fsdp_size=2"]
     settings = SHAPE | dict(
         train_batch=BATCH, micro_batch=BATCH // nproc, max_iters=WARMUP + STEPS, log_interval=WARMUP,
-        eval_interval=10 ** 6, eval_iters=1, save_interval=10 ** 6, dtype="fp32", compile=compile,
+        eval_interval=10 ** 6, eval_iters=1, save_interval=10 ** 6, dtype="fp32", compile=compile, sample_tokens=0,
         checkpoint_dir="ckpt", tensorboard_dir="tb", data_path=demo_data())
     out = run(launch + [os.path.join(ROOT, "train_fsdp.py"), DEMO] + mode +
               [f"--{k}={v}" for k, v in settings.items()], nproc, workdir)
