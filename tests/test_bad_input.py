@@ -96,8 +96,8 @@ def test_incomplete_sharded_checkpoint(checkpoints, corpus, tmp_path):
 
 @pytest.mark.slow
 def test_world_size_that_does_not_fit_the_mesh(corpus, tmp_path):
-    result = run_trainer(str(tmp_path), nproc=2, sharding_strategy="HYBRID_SHARD", fsdp_size=3, check=False, **corpus)
+    result = run_trainer(str(tmp_path), nproc=3, sharding_strategy="HYBRID_SHARD", fsdp_size=2, check=False, **corpus)
     assert result.returncode != 0
     # torchrun reports its failed child with a traceback of its own; none from this project
     assert f'File "{ROOT}' not in result.stderr and "[rank0]: Traceback" not in result.stderr
-    assert "error: fsdp_size=3 must divide the world size 2" in result.stderr
+    assert "error: fsdp_size=2 must divide the world size 3" in result.stderr

@@ -57,3 +57,19 @@ def test_exported_model_loads_in_transformers_with_the_same_logits(two_rank_runs
     full, sharded = (load_file(exports[kind] / "model.safetensors") for kind in ("full", "sharded"))
     assert full.keys() == sharded.keys()
     assert all(torch.equal(full[name], sharded[name]) for name in full)
+
+
+def test_exported_tokenizer_encodes_as_tiktoken(tmp_path):
+    from transformers import AutoTokenizer
+
+    from data import get_tokenizer
+    from export_hf import save_tokenizer
+
+    encoding = get_tokenizer("cl100k_base")
+    assert save_tokenizer(encoding, str(tmp_path))
+    hf = AutoTokenizer.from_pretrained(tmp_path)
+    text = open(os.path.join(ROOT, "README.md")).read() + " héllo 12345 <|endoftext|> 日本語 😀\n\n\tx  \n "
+    ids = encoding.encode(text, allowed_special="all")
+    assert hf.encode(text) == ids
+    assert hf.decode(ids) == text
+    assert not save_tokenizer(get_tokenizer("bytes"), str(tmp_path / "bytes"))  # no HF form: no files
