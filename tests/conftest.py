@@ -14,7 +14,7 @@ DEMO = os.path.join(ROOT, "config", "demo_cpu.yaml")
 TINY = dict(n_layer=2, n_head=2, n_embd=64, block_size=32, dropout=0.0, dtype="fp32", train_batch=8,
             micro_batch=2, max_iters=8, warmup_iters=2, lr_decay_iters=8, learning_rate=3e-3, min_lr=3e-4,
             log_interval=1, eval_interval=4, eval_iters=1, save_interval=1000, tokenizer="bytes", seed=7,
-            sample_tokens=8)
+            sample_tokens=0)
 
 
 def trainer_cmd(nproc: int) -> list[str]:
@@ -52,6 +52,18 @@ def scalars(tb_dir: str, tag: str) -> dict[int, float]:
     return values
 
 
+def texts(tb_dir: str, tag: str) -> dict[int, str]:
+    """{step: text} of one TensorBoard text tag."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    values = {}
+    for path in sorted(glob.glob(os.path.join(tb_dir, "events.*"))):
+        acc = EventAccumulator(path, size_guidance={"tensors": 0})
+        acc.Reload()
+        if f"{tag}/text_summary" in acc.Tags()["tensors"]:
+            values |= {e.step: e.tensor_proto.string_val[0].decode() for e in acc.Tensors(f"{tag}/text_summary")}
+    return values
+
+
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory) -> dict:
     """A small byte-level dataset prepared once from a few standard-library modules."""
@@ -71,7 +83,9 @@ def two_rank_runs(corpus, tmp_path_factory):
     runs = {}
     for kind in ("full", "sharded"):
         run_dir = str(tmp_path_factory.mktemp(kind))
-        run_trainer(run_dir, nproc=2, checkpoint_type=kind, async_save=kind == "sharded", **RUN, **corpus)
+        # with a text sample at each eval: the sharded model generates between training steps
+        run_trainer(run_dir, nproc=2, checkpoint_type=kind, async_save=kind == "sharded", sample_tokens=8,
+                    **RUN, **corpus)
         runs[kind] = run_dir
     return runs
 

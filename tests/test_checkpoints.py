@@ -83,7 +83,9 @@ def test_killed_worker_restarts_from_latest(two_rank_runs, corpus, tmp_path):
 def test_sigterm_saves_the_current_step_and_exits_zero(corpus, tmp_path):
     cmd = trainer_cmd(1) + [DEMO] + overrides(**(TINY | corpus | dict(
         max_iters=100, lr_decay_iters=100, checkpoint_dir=str(tmp_path / "ckpt"), tensorboard_dir=str(tmp_path / "tb"))))
-    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # the same threads as the runs it is compared with: CPU kernels split their sums by thread
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
     for line in proc.stdout:
         if line.startswith("step 3/"):
             proc.send_signal(signal.SIGTERM)

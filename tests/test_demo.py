@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from conftest import DEMO, ROOT, scalars
+from conftest import DEMO, ROOT, scalars, texts
 
 pytestmark = pytest.mark.slow
 
@@ -23,6 +23,10 @@ def test_demo_trains_and_val_loss_falls(tmp_path):
     assert max(val) == 200
     assert last <= 0.6 * first, (first, last)
     assert os.path.isfile(tmp_path / "checkpoints" / "fsdp_cpt200.pth")
+    # a text sample at each eval, in TensorBoard's TEXT tab
+    samples = texts(str(tmp_path / "tensorboard" / "demo_cpu"), "val/sample")
+    assert sorted(samples) == sorted(val)
+    assert len(samples[200].strip()) > 20 and samples[200] != samples[0]
     # progress: one line per log interval (25 steps), each with a finite ETA that shrinks to zero
     progress = re.findall(r"^step (\d+)/200 \| loss [\d.]+ \| lr \S+ \| [\d,]+ tok/s \| MFU [\d.]+% "
                           r"\| mem [\d.]+ GB \| ETA (\d+)m(\d\d)s$", result.stdout, re.MULTILINE)
