@@ -46,7 +46,7 @@ def main(argv: list[str]) -> int:
                             f"'{run['tokenizer']}': evaluate on data prepared with '{run['tokenizer']}'")
         micro_batch = args.micro_batch or run["micro_batch"]
         loader = BatchLoader(args.data_path or run["data_path"], meta, model.config.block_size,
-                             micro_batch, micro_batch, 0, 1, run["seed"], device)
+                             micro_batch, micro_batch, 0, 1, run["seed"], device)  # one rank, val windows only
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

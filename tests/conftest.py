@@ -40,13 +40,19 @@ def run_trainer(run_dir, nproc=1, config=DEMO, timeout=300, check=True, launcher
     return result
 
 
+def _event_files(tb_dir: str):
+    """An EventAccumulator per TensorBoard events file in tb_dir, oldest first."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    for path in sorted(glob.glob(os.path.join(tb_dir, "events.*"))):
+        acc = EventAccumulator(path, size_guidance={"scalars": 0, "tensors": 0})
+        acc.Reload()
+        yield acc
+
+
 def scalars(tb_dir: str, tag: str) -> dict[int, float]:
     """{step: value} of one TensorBoard tag across every events file in tb_dir."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     values = {}
-    for path in sorted(glob.glob(os.path.join(tb_dir, "events.*"))):
-        acc = EventAccumulator(path, size_guidance={"scalars": 0})
-        acc.Reload()
+    for acc in _event_files(tb_dir):
         if tag in acc.Tags()["scalars"]:
             values |= {e.step: e.value for e in acc.Scalars(tag)}
     return values
@@ -54,11 +60,8 @@ def scalars(tb_dir: str, tag: str) -> dict[int, float]:
 
 def texts(tb_dir: str, tag: str) -> dict[int, str]:
     """{step: text} of one TensorBoard text tag."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     values = {}
-    for path in sorted(glob.glob(os.path.join(tb_dir, "events.*"))):
-        acc = EventAccumulator(path, size_guidance={"tensors": 0})
-        acc.Reload()
+    for acc in _event_files(tb_dir):
         if f"{tag}/text_summary" in acc.Tags()["tensors"]:
             values |= {e.step: e.tensor_proto.string_val[0].decode() for e in acc.Tensors(f"{tag}/text_summary")}
     return values
