@@ -276,6 +276,9 @@ def train(cfg) -> None:
     log.close(per_rank_memory(model, optimizer, device))
     if topo.is_main:
         print(f"done: last checkpoint {ckpt.last_saved}, TensorBoard logs in {cfg.tensorboard_dir}/", flush=True)
+    # no rank tears its connections down while a peer is still using them: a gloo peer whose
+    # connection closes under it can abort at exit ("terminate called without an active exception")
+    dist.barrier()
     dist.destroy_process_group()
 
 
