@@ -1,7 +1,7 @@
 """Training speed, measured side by side in one run: alternating runs, medians, ratios.
 
     python bench/speed.py plain [--rounds 3] [--compile]  # trainer vs a plain PyTorch loop, 1 process
-    python bench/speed.py scaling [--rounds 1]            # 2 and 4 ranks vs 1, each strategy and DDP
+    python bench/speed.py scaling [--rounds 3]            # 2 and 4 ranks vs 1, each strategy and DDP
     python bench/speed.py loader                          # data loader tokens/s vs the trainer's
 
 The model: 4 layers, 256 wide, block 128, batch 16, fp32, byte tokens (the demo's data).
