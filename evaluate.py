@@ -40,12 +40,13 @@ def main(argv: list[str]) -> int:
     try:
         model, ckpt = load_gpt(args.checkpoint, device)
         run = ckpt["config"]
-        meta = prepare_data(args.data_path or run["data_path"], None, run["tokenizer"])
+        data_path = args.data_path or run["data_path"]
+        meta = prepare_data(data_path, None, run["tokenizer"])
         if meta["tokenizer"] != run["tokenizer"]:
             raise UserError(f"the dataset was tokenized with '{meta['tokenizer']}', the model trained on "
                             f"'{run['tokenizer']}': evaluate on data prepared with '{run['tokenizer']}'")
         micro_batch = args.micro_batch or run["micro_batch"]
-        loader = BatchLoader(args.data_path or run["data_path"], meta, model.config.block_size,
+        loader = BatchLoader(data_path, meta, model.config.block_size,
                              micro_batch, micro_batch, 0, 1, run["seed"], device)  # one rank, val windows only
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

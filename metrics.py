@@ -6,7 +6,8 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+
+from fsdp_ckpt import local_slice
 
 # Dense bf16 peak FLOP/s per GPU (no sparsity), from the vendors' data sheets.
 GPU_PEAK_FLOPS = {
@@ -44,7 +45,7 @@ def state_gb(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> float:
     params = list(model.parameters())
     tensors = params + [p.grad for p in params if p.grad is not None] + [
         v for state in optimizer.state.values() for v in state.values() if v.dim()]
-    local = (t.to_local() if isinstance(t, DTensor) else t for t in tensors)
+    local = (local_slice(t)[0] for t in tensors)
     return sum(t.numel() * t.element_size() for t in local) / 1e9
 
 

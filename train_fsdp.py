@@ -100,7 +100,8 @@ def build_model(cfg, gpt_cfg: GPTConfig, topo: Topology) -> torch.nn.Module:
     with torch.device("meta"):
         model = GPT(gpt_cfg)
     if topo.is_main:  # before the (for large models, long) initialisation
-        print(f"parameters: {model.num_params():,} ({model.num_params() / 1e6:.1f}M)", flush=True)
+        n_params = model.num_params()
+        print(f"parameters: {n_params:,} ({n_params / 1e6:.1f}M)", flush=True)
     model.activation_checkpointing = cfg.activation_checkpointing
     if cfg.compile:
         for block in model.blocks:
