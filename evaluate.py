@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from config import UserError
 from data import BatchLoader, prepare_data
-from fsdp_ckpt import load_gpt
+from ckpt_format import load_gpt
 
 
 @torch.no_grad()

@@ -14,7 +14,7 @@ import torch
 
 from config import UserError
 from data import get_tokenizer
-from fsdp_ckpt import read_model
+from ckpt_format import read_model
 from model import GPTConfig
 
 # model.GPT uses nn.Linear (out, in); GPT-2's Conv1D stores the transpose (in, out)

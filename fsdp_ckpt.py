@@ -1,156 +1,27 @@
-"""Checkpoint manager: a full rank-0 file or per-rank shards; resume, reshard, consolidate.
+"""Checkpoint manager: saves and resumes a run's full or sharded checkpoints (ckpt_format.py has
+the files), collectives included: every rank calls every method at the same point.
 
-Full:    fsdp_cpt{step}.pth, written by rank 0: plain tensors that model.GPT loads as they are.
-Sharded: fsdp_sharded_cpt{step}_rank{r}.pth, one per rank: each parameter's and optimizer
-         moment's dim-0 slice with its global shape and offset, so any world size and
-         strategy can reassemble its own slices; fsdp_sharded_cpt{step}.complete marks the set
-         complete once every rank has written.
+Both formats carry `step`, `model_config`, `config` (resolved) and `train_state`. Data position
+and dropout RNG are functions of (seed, step, rank), so `step` restores both.
 
-Both carry `step`, `model_config`, `config` (resolved) and `train_state`. Data position and
-dropout RNG are functions of (seed, step), so `step` restores both.
+python fsdp_ckpt.py consolidate fsdp_sharded_cpt{step}_rank0.pth OUT.pth   # sharded set -> one full file
 """
 import glob
 import os
-import re
 import sys
 import threading
-import zlib
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
-from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_leaves, tree_map_only
+    get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
+from torch.utils._pytree import tree_map_only
 
-from config import MODEL_SHAPE_KEYS, UserError, to_dict
-from model import GPT, GPTConfig
-
-FULL_RE = re.compile(r"fsdp_cpt(\d+)\.pth$")
-SHARD_RE = re.compile(r"fsdp_sharded_cpt(\d+)_rank(\d+|\{rank\})\.pth$")
-MARKER_RE = re.compile(r"fsdp_sharded_cpt(\d+)\.complete$")
-FULL_OPTIONS = StateDictOptions(full_state_dict=True, cpu_offload=True)
-LOAD_OPTIONS = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-
-
-def full_path(directory: str, step: int) -> str:
-    return os.path.join(directory, f"fsdp_cpt{step}.pth")
-
-
-def shard_path(directory: str, step: int, rank: int) -> str:
-    return os.path.join(directory, f"fsdp_sharded_cpt{step}_rank{rank}.pth")
-
-
-def marker_path(directory: str, step: int) -> str:
-    return os.path.join(directory, f"fsdp_sharded_cpt{step}.complete")
-
-
-class CorruptCheckpoint(UserError):
-    """A checkpoint that is damaged or incomplete (as opposed to one that doesn't fit)."""
-
-
-def _crc32(obj) -> int:
-    """Checksum of every tensor's bytes and every other value: torch.load notices a truncated
-    file, but not flipped bytes inside tensor data."""
-    crc = 0
-    for leaf in tree_leaves(obj):
-        if isinstance(leaf, torch.Tensor):
-            data = leaf.detach().reshape(-1).contiguous().view(torch.uint8).numpy()
-        else:
-            data = repr(leaf).encode()
-        crc = zlib.crc32(data, crc)
-    return crc
-
-
-def save_atomically(obj: dict, path: str) -> None:
-    """Temp file, fsync, rename: the final name only ever holds a complete file."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
-        torch.save(obj | {"crc32": _crc32(obj)}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    dir_fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # make the rename itself durable
-    finally:
-        os.close(dir_fd)
-
-
-def read_verified(path: str, mmap: bool = False) -> dict:
-    """torch.load(weights_only=True), then the checksum written with the file."""
-    if not os.path.isfile(path):
-        raise CorruptCheckpoint(f"checkpoint file not found: {path}")
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-    except Exception as e:  # torch raises RuntimeError, UnpicklingError, EOFError... for damaged files
-        raise CorruptCheckpoint(f"checkpoint {path} is corrupt or truncated ({str(e).splitlines()[0][:120]}); "
-                        f"resume from an earlier checkpoint")
-    if not isinstance(obj, dict) or obj.pop("crc32", None) != _crc32(obj):
-        raise CorruptCheckpoint(f"checkpoint {path} is corrupt: its checksum does not match its contents; "
-                        f"resume from an earlier checkpoint")
-    return obj
-
-
-def load_file(path: str, mmap: bool = False) -> dict:
-    obj = read_verified(path, mmap)
-    if not {"model", "optimizer", "step", "model_config"} <= obj.keys():
-        raise CorruptCheckpoint(f"{path} is not a checkpoint of this trainer (needs model, optimizer, step, model_config)")
-    return obj
-
-
-def check_model_shape(path: str, saved: dict, cfg) -> None:
-    for key in MODEL_SHAPE_KEYS:
-        if saved.get(key) != getattr(cfg, key):
-            raise UserError(f"checkpoint {path} has {key}={saved.get(key)} but the config has {key}="
-                            f"{getattr(cfg, key)}: set --{key}={saved.get(key)} to resume it")
-
-
-def local_slice(t: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """This rank's dim-0 slice of a (possibly FSDP-sharded) tensor and its global offset.
-
-    FSDP2 shards dim 0 like torch.chunk: rank i of n holds rows [i*c, min((i+1)*c, rows)),
-    c = ceil(rows / n), possibly none.
-    """
-    if not isinstance(t, DTensor):
-        return t, 0
-    offset = 0
-    for mesh_dim, placement in enumerate(t.placements):
-        if placement.is_shard(0):
-            n, i = t.device_mesh.size(mesh_dim), t.device_mesh.get_local_rank(mesh_dim)
-            offset += min(i * -(-t.shape[0] // n), t.shape[0])
-    return t.to_local(), offset
-
-
-def _pieces(t: torch.Tensor) -> dict:
-    local, offset = local_slice(t)
-    return {"shape": list(t.shape), "offset": offset, "data": local.detach().to("cpu", copy=True)}
-
-
-def _slices(pieces: list[dict], offset: int, rows: int) -> list[torch.Tensor]:
-    """Views of the saved slices that make up rows [offset, offset + rows) of a tensor."""
-    parts, cursor = [], offset
-    for piece in sorted(pieces, key=lambda p: p["offset"]):
-        start, data = piece["offset"], piece["data"]
-        end = start + data.shape[0]
-        if start <= cursor < end and cursor < offset + rows:
-            take = min(end, offset + rows) - cursor
-            parts.append(data[cursor - start:cursor - start + take])
-            cursor += take
-    if cursor != offset + rows:
-        raise CorruptCheckpoint(f"sharded checkpoint is missing rows {cursor}..{offset + rows} of a tensor")
-    return parts
-
-
-def _assemble(pieces: list[dict], offset: int, rows: int) -> torch.Tensor:
-    parts = _slices(pieces, offset, rows)
-    return torch.cat(parts) if parts else pieces[0]["data"][:0]
-
-
-def _fill(target: torch.Tensor, pieces: list[dict]) -> None:
-    local, offset = local_slice(target)
-    with torch.no_grad():
-        local.copy_(_assemble(pieces, offset, local.shape[0]))
+from ckpt_format import (
+    FULL_OPTIONS, LOAD_OPTIONS, SHARD_RE, CorruptCheckpoint, check_model_shape, complete_checkpoints, consolidate,
+    fill_local, full_path, host_copy, load_file, marker_path, piece_of, read_sharded, save_atomically, shard_path)
+from config import UserError, to_dict
+from launch import agree
 
 
 def _parameter_names(model) -> dict:
@@ -167,6 +38,18 @@ def _aliases(model) -> dict:
     return {name: first[p] for name, p in module.named_parameters(remove_duplicate=False) if first[p] != name}
 
 
+def sharded_state(model, optimizer) -> dict:
+    """This rank's slices of the model and optimizer state, as host copies (no collectives)."""
+    names = _parameter_names(model)
+    return {"model": {name: piece_of(p) for p, name in names.items()},
+            "optimizer": {names[p]: {k: piece_of(v) if v.dim() else host_copy(v) for k, v in s.items()}
+                          for p, s in optimizer.state.items()},
+            # what consolidation needs to write the full format: tied names, hyperparameters
+            "aliases": _aliases(model),
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} | {
+                "params": [names[p] for p in g["params"]]} for g in optimizer.param_groups]}
+
+
 def _write(writes: list, pending: dict) -> None:
     try:
         for obj, path in writes:
@@ -175,104 +58,12 @@ def _write(writes: list, pending: dict) -> None:
         pending["error"] = e
 
 
-def _agree(fn):
-    """Run fn on this rank; if any rank raised UserError, every rank raises the first one.
-
-    Ranks that read files alone must not leave the others waiting in a collective.
-    """
-    try:
-        result, error = fn(), None
-    except UserError as e:
-        result, error = None, e
-    errors = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    first = next((e for e in errors if e), None)
-    if first:
-        raise first
-    return result
-
-
-def complete_checkpoints(directory: str) -> list[tuple[int, str]]:
-    """(step, "full" | "sharded") of every checkpoint visible under its final name."""
-    found = []
-    for name in os.listdir(directory) if os.path.isdir(directory) else []:
-        if m := FULL_RE.fullmatch(name):
-            found.append((int(m.group(1)), "full"))
-        elif m := MARKER_RE.fullmatch(name):
-            found.append((int(m.group(1)), "sharded"))
-    return found
-
-
-def read_sharded(directory: str, step: int) -> list[dict]:
-    """Every rank file of a complete sharded checkpoint, memory-mapped and verified."""
-    marker = marker_path(directory, step)
-    if not os.path.isfile(marker):
-        raise CorruptCheckpoint(f"sharded checkpoint of step {step} in {directory}/ is incomplete "
-                                f"(no {os.path.basename(marker)}): some rank never finished writing it")
-    saved_world = read_verified(marker)["world_size"]
-    files = [load_file(shard_path(directory, step, r), mmap=True) for r in range(saved_world)]
-    for r, f in enumerate(files):
-        if (f["step"], f["rank"]) != (step, r):
-            raise CorruptCheckpoint(f"rank file {shard_path(directory, step, r)} holds step {f['step']} of rank "
-                                    f"{f['rank']}: the set mixes files of different checkpoints")
-    # every tensor whole across the files (views only): later reads can't fail on one rank alone
-    for name, piece in files[0]["model"].items():
-        _slices([f["model"][name] for f in files], 0, piece["shape"][0])
-    for name, saved in files[0]["optimizer"].items():
-        for key, piece in saved.items():
-            if isinstance(piece, dict):
-                _slices([f["optimizer"][name][key] for f in files], 0, piece["shape"][0])
-    return files
-
-
-def _whole_model(files: list[dict]) -> dict:
-    """The full model state dict from a sharded set's rank files, tied names included."""
-    model = {name: _whole([f["model"][name] for f in files]) for name in files[0]["model"]}
-    return model | {alias: model[name] for alias, name in files[0]["aliases"].items()}
-
-
-def _whole(pieces: list[dict]) -> torch.Tensor:
-    return _assemble(pieces, 0, pieces[0]["shape"][0]).clone()  # clone: off the memory maps
-
-
-def consolidate(shard_file: str, out_path: str) -> None:
-    """Sharded checkpoint -> one full file, offline: as fsdp_cpt{step}.pth of the same step."""
-    match = SHARD_RE.search(os.path.basename(shard_file))
-    if not match:
-        raise UserError(f"{shard_file} is not named fsdp_sharded_cpt{{step}}_rank{{rank}}.pth")
-    files = read_sharded(os.path.dirname(shard_file), int(match.group(1)))
-    first = files[0]
-    state = {name: {key: _whole([f["optimizer"][name][key] for f in files]) if isinstance(value, dict) else value
-                    for key, value in saved.items()} for name, saved in first["optimizer"].items()}
-    header = {k: first[k] for k in ("step", "model_config", "config", "train_state")}
-    save_atomically(header | {"model": _whole_model(files),
-                              "optimizer": {"state": state, "param_groups": first["param_groups"]}}, out_path)
-
-
-def read_model(path: str) -> tuple[dict, dict]:
-    """(checkpoint, full model state dict) in one process, no process group: from a full file,
-    any rank's file of a sharded set, or a folder (its newest complete checkpoint)."""
-    if os.path.isdir(path):
-        found = sorted(complete_checkpoints(path), reverse=True)
-        if not found:
-            raise UserError(f"no complete checkpoint in {path}/")
-        step, kind = found[0]
-        path = full_path(path, step) if kind == "full" else shard_path(path, step, 0)
-    if match := SHARD_RE.search(os.path.basename(path)):
-        files = read_sharded(os.path.dirname(path), int(match.group(1)))
-        return files[0], _whole_model(files)
-    ckpt = load_file(path)
-    return ckpt, ckpt["model"]
-
-
-def load_gpt(path: str, device: torch.device) -> tuple[GPT, dict]:
-    """A plain model.GPT in eval mode with a checkpoint's weights, and the checkpoint."""
-    ckpt, state = read_model(path)
-    with torch.device("meta"):
-        model = GPT(GPTConfig(**ckpt["model_config"]))
-    model.load_state_dict(state, assign=True)
-    model.tie_weights()
-    return model.to(device).eval(), ckpt
+def _placed(value: torch.Tensor, key: str, p: torch.Tensor, group: dict) -> torch.Tensor:
+    """A saved 0-dim optimizer value where the optimizer keeps it (the rule of torch's
+    Optimizer.load_state_dict): `step` on the host unless the optimizer is fused or capturable,
+    which keep it on the parameter's device, as every other value."""
+    on_device = key != "step" or group.get("fused") or group.get("capturable")
+    return value.to(device=p.device, copy=True) if on_device else value.clone()
 
 
 class CheckpointManager:
@@ -280,9 +71,9 @@ class CheckpointManager:
         self.cfg, self.topo, self.dir = cfg, topo, cfg.checkpoint_dir
         self._pending = None  # the save being written: step, paths, thread, error
         self.last_saved = None  # this rank's file of the newest finished save
-        if topo.is_main:
-            os.makedirs(self.dir, exist_ok=True)
-        dist.barrier()
+        # every rank that writes makes the folder: on node-local disks each node needs its own
+        writes = topo.is_main or cfg.checkpoint_type == "sharded"
+        agree(lambda: os.makedirs(self.dir, exist_ok=True) if writes else None)
 
     # ---- saving ----
     def _header(self, step: int) -> dict:
@@ -302,15 +93,7 @@ class CheckpointManager:
                 state = tree_map_only(torch.Tensor, torch.clone, state)
             writes = [(self._header(step) | state, path)] if self.topo.is_main else []
         else:
-            names = _parameter_names(model)
-            state = {"model": {name: _pieces(p) for p, name in names.items()},
-                     "optimizer": {names[p]: {k: _pieces(v) if v.dim() else v.clone() for k, v in s.items()}
-                                   for p, s in optimizer.state.items()},
-                     "rank": self.topo.rank, "world_size": self.topo.world_size,
-                     # what consolidation needs to write the full format: tied names, hyperparameters
-                     "aliases": _aliases(model),
-                     "param_groups": [{k: v for k, v in g.items() if k != "params"} | {
-                         "params": [names[p] for p in g["params"]]} for g in optimizer.param_groups]}
+            state = sharded_state(model, optimizer) | {"rank": self.topo.rank, "world_size": self.topo.world_size}
             path, marker = shard_path(self.dir, step, self.topo.rank), marker_path(self.dir, step)
             writes = [(self._header(step) | state, path)]
         self._pending = {"step": step, "path": path, "marker": marker, "error": None}
@@ -331,7 +114,7 @@ class CheckpointManager:
         def check():
             if pending["error"]:
                 raise UserError(f"writing checkpoint {pending['path']} failed: {pending['error']}")
-        _agree(check)  # a failed write on any rank stops every rank, none left in a barrier
+        agree(check)  # a failed write on any rank stops every rank, none left in a barrier
         if pending["marker"]:
             dist.barrier()  # every rank's file is renamed into place before the marker says so
             if self.topo.is_main:
@@ -339,12 +122,14 @@ class CheckpointManager:
         self.last_saved = pending["path"]
         if self.topo.is_main:
             print(f"saved checkpoint {pending['marker'] or pending['path']}", flush=True)
-        self._prune()
+        self._prune(pending["step"])
 
-    def _prune(self) -> None:
+    def _prune(self, saved_step: int) -> None:
+        """Keep the keep_last newest checkpoints up to the one just saved; never a newer one."""
         if not self.cfg.keep_last or not self.topo.is_main:
             return
-        for step, kind in sorted(complete_checkpoints(self.dir), reverse=True)[self.cfg.keep_last:]:
+        ours = [(step, kind) for step, kind in complete_checkpoints(self.dir) if step <= saved_step]
+        for step, kind in sorted(ours, reverse=True)[self.cfg.keep_last:]:
             if kind == "full":
                 os.remove(full_path(self.dir, step))
             else:
@@ -364,16 +149,36 @@ class CheckpointManager:
         if resume_from == "latest":
             return self._resume_latest(model, optimizer)
         step = self._load(resume_from, model, optimizer)
+        agree(lambda: self._refuse_newer(step) if self.topo.is_main else None)
         if self.topo.is_main:
             print(f"resumed from {resume_from} at step {step}", flush=True)
         return step
 
+    def _refuse_newer(self, step: int) -> None:
+        """Checkpoints newer than the resumed step belong to an abandoned run: `latest` would
+        jump back to them after a restart, so resuming into their folder is refused."""
+        newer = sorted(s for s, _ in complete_checkpoints(self.dir) if s > step)
+        if newer:
+            raise UserError(f"{self.dir}/ holds checkpoints of steps {', '.join(map(str, newer))}, newer than the "
+                            f"resumed step {step}: move them out of {self.dir}/ or set --checkpoint_dir to a new folder")
+
+    def _check_visible(self, step: int) -> None:
+        """Every rank reads a sharded set: one that some ranks can't see is a setup error, not damage."""
+        sees = [None] * self.topo.world_size
+        dist.all_gather_object(sees, os.path.isfile(marker_path(self.dir, step)))
+        blind = [r for r, seen in enumerate(sees) if not seen]
+        if blind:
+            raise UserError(f"ranks {blind} can't see {marker_path(self.dir, step)}, which rank 0 sees: a sharded "
+                            f"resume needs checkpoint_dir on a filesystem every node shares (or checkpoint_type: full)")
+
     def _resume_latest(self, model, optimizer) -> int:
         # rank 0's listing decides, so every rank tries the same checkpoints in the same order
-        found = [sorted(complete_checkpoints(self.dir), reverse=True) if self.topo.is_main else None]
+        found = [agree(lambda: sorted(complete_checkpoints(self.dir), reverse=True) if self.topo.is_main else None)]
         dist.broadcast_object_list(found, src=0)
         for step, kind in found[0]:
             path = full_path(self.dir, step) if kind == "full" else shard_path(self.dir, step, 0)
+            if kind == "sharded":
+                self._check_visible(step)
             try:  # loaders raise before touching the model, on every rank alike
                 return self.resume(path, model, optimizer)
             except CorruptCheckpoint as e:
@@ -393,7 +198,7 @@ class CheckpointManager:
             ckpt = load_file(path)
             check_model_shape(path, ckpt["model_config"], self.cfg)
             return ckpt
-        ckpt = _agree(read if self.topo.is_main else dict)
+        ckpt = agree(read if self.topo.is_main else dict)
         step = [ckpt.get("step")]
         dist.broadcast_object_list(step, src=0)
         set_model_state_dict(model, ckpt.get("model", {}), options=LOAD_OPTIONS)
@@ -405,10 +210,11 @@ class CheckpointManager:
             files = read_sharded(directory, step)
             check_model_shape(shard_path(directory, step, 0), files[0]["model_config"], self.cfg)
             return files
-        files = _agree(read)
+        files = agree(read)
         names = _parameter_names(model)
         for p, name in names.items():
-            _fill(p, [f["model"][name] for f in files])
+            fill_local(p, [f["model"][name] for f in files])
+        group_of = {p: group for group in optimizer.param_groups for p in group["params"]}
         for p, name in names.items():
             saved = files[0]["optimizer"].get(name)
             if saved is None:
@@ -417,9 +223,9 @@ class CheckpointManager:
             for key, value in saved.items():
                 if isinstance(value, dict):
                     state[key] = torch.zeros_like(p)
-                    _fill(state[key], [f["optimizer"][name][key] for f in files])
+                    fill_local(state[key], [f["optimizer"][name][key] for f in files])
                 else:
-                    state[key] = value.clone()
+                    state[key] = _placed(value, key, p, group_of[p])
             optimizer.state[p] = state
         return step
 

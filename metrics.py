@@ -7,20 +7,26 @@ import time
 import torch
 import torch.distributed as dist
 
-from fsdp_ckpt import local_slice
+from ckpt_format import local_slice
 
-# Dense bf16 peak FLOP/s per GPU (no sparsity), from the vendors' data sheets.
+# Dense bf16 (fp16 where the GPU has no bf16) peak FLOP/s, no sparsity, from the vendors' data
+# sheets, by the exact name torch.cuda.get_device_name reports: "L40" must not take "L4"'s figure,
+# nor an H100 PCIe an H100 SXM's.
 GPU_PEAK_FLOPS = {
-    "H200": 989e12, "H100": 989e12, "A100": 312e12, "A10G": 125e12, "L40S": 362e12,
-    "L4": 121e12, "A6000": 155e12, "4090": 165e12, "3090": 71e12, "V100": 125e12, "T4": 65e12,
+    "NVIDIA H200": 989e12, "NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100 NVL": 835e12, "NVIDIA H100 PCIe": 756e12,
+    "NVIDIA A100-SXM4-80GB": 312e12, "NVIDIA A100-SXM4-40GB": 312e12, "NVIDIA A100 80GB PCIe": 312e12,
+    "NVIDIA A100-PCIE-40GB": 312e12, "NVIDIA L40S": 362e12, "NVIDIA L40": 181e12, "NVIDIA L4": 121e12,
+    "NVIDIA A10G": 70e12, "NVIDIA A10": 125e12, "NVIDIA RTX A6000": 155e12, "NVIDIA GeForce RTX 4090": 165e12,
+    "NVIDIA GeForce RTX 3090": 71e12, "Tesla V100-SXM2-16GB": 125e12, "Tesla V100-SXM2-32GB": 125e12,
+    "Tesla V100-PCIE-16GB": 112e12, "Tesla V100-PCIE-32GB": 112e12, "Tesla T4": 65e12,
 }
 
 
-def device_peak_flops(device: torch.device) -> float:
-    """Peak FLOP/s of one rank's device: the table for known GPUs, measured for a CPU."""
+def device_peak_flops(device: torch.device) -> float | None:
+    """Peak FLOP/s of one rank's device: the table for GPUs (None for a GPU it lacks: its MFU is
+    unknown, not a guess), measured for a CPU."""
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        return next((flops for key, flops in GPU_PEAK_FLOPS.items() if key in name), 312e12)
+        return GPU_PEAK_FLOPS.get(torch.cuda.get_device_name(device))
     n, repeats = 512, 10
     a, b = torch.randn(n, n), torch.randn(n, n)
     torch.mm(a, b)  # warm up
@@ -33,11 +39,19 @@ def device_peak_flops(device: torch.device) -> float:
     return 2 * n ** 3 * repeats / best
 
 
-def peak_memory_gb(device: torch.device) -> float:
-    """Device memory on GPU; peak resident set size of this process on CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 1e9
+def host_peak_gb() -> float:
+    """Peak resident set size of this process (with cpu_offload, where the state lives)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # Linux reports KiB
+
+
+def device_memory_gb(device: torch.device) -> tuple[float, float]:
+    """(peak allocated, peak reserved) since the last call. Reserved is what the caching allocator
+    holds, what an out-of-memory error is about. On CPU both are the process's peak RSS."""
+    if device.type != "cuda":
+        return host_peak_gb(), host_peak_gb()
+    allocated, reserved = torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
+    torch.cuda.reset_peak_memory_stats(device)  # each log line reports its own interval
+    return allocated / 1e9, reserved / 1e9
 
 
 def state_gb(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> float:
@@ -49,12 +63,15 @@ def state_gb(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> float:
     return sum(t.numel() * t.element_size() for t in local) / 1e9
 
 
+MEMORY_COLUMNS = ("peak", "reserved", "host", "state")
+
+
 def per_rank_memory(model, optimizer, device: torch.device) -> torch.Tensor:
-    """(world, 2): every rank's (peak GB, state GB). A collective: every rank calls it."""
-    mine = torch.tensor([peak_memory_gb(device), state_gb(model, optimizer)], device=device)
-    every = torch.empty(dist.get_world_size() * 2, device=device)
+    """(world, 4): every rank's GB as MEMORY_COLUMNS. A collective: every rank calls it."""
+    mine = torch.tensor([*device_memory_gb(device), host_peak_gb(), state_gb(model, optimizer)], device=device)
+    every = torch.empty(dist.get_world_size() * len(mine), device=device)
     dist.all_gather_single(every, mine)
-    return every.view(-1, 2).cpu()
+    return every.view(-1, len(mine)).cpu()
 
 
 def _duration(seconds: float) -> str:
@@ -67,7 +84,7 @@ class ProgressLog:
     """Created on every rank; only rank 0 prints and writes TensorBoard events."""
 
     def __init__(self, enabled: bool, tensorboard_dir: str, max_iters: int, tokens_per_step: int,
-                 flops_per_token: int, peak_flops: float):
+                 flops_per_token: int, peak_flops: float | None):
         self.enabled, self.max_iters = enabled, max_iters
         self.tokens_per_step, self.flops_per_token, self.peak_flops = tokens_per_step, flops_per_token, peak_flops
         self.writer = None
@@ -76,6 +93,7 @@ class ProgressLog:
             os.makedirs(tensorboard_dir, exist_ok=True)
             self.writer = SummaryWriter(log_dir=tensorboard_dir)
         self.mark_time, self.mark_step = time.perf_counter(), None
+        self.run_peak = None  # every rank's memory peaks over the whole run (GPU peaks reset per log)
 
     def start(self, step: int) -> None:
         """Begin timing from `step` (after start-up, eval and resume)."""
@@ -89,17 +107,24 @@ class ProgressLog:
         step_time = (now - self.mark_time) / max(step - self.mark_step, 1)
         self.mark_time, self.mark_step = now, step
         tokens_per_sec = self.tokens_per_step / step_time
-        mfu = tokens_per_sec * self.flops_per_token / self.peak_flops
-        peak, state = memory.max(dim=0).values.tolist()
-        scalars = {"train/loss": loss, "train/lr": lr, "train/grad_norm": grad_norm, "perf/tokens_per_sec": tokens_per_sec,
-                   "perf/mfu": mfu, "mem/peak_gb": peak, "mem/state_gb": state}
-        for rank, (rank_peak, rank_state) in enumerate(memory.tolist()):
-            scalars |= {f"mem/rank{rank}/peak_gb": rank_peak, f"mem/rank{rank}/state_gb": rank_state}
+        self.run_peak = memory if self.run_peak is None else torch.maximum(self.run_peak, memory)
+        largest = dict(zip(MEMORY_COLUMNS, memory.max(dim=0).values.tolist()))
+        scalars = {"train/loss": loss, "train/lr": lr, "train/grad_norm": grad_norm, "perf/tokens_per_sec": tokens_per_sec}
+        scalars |= {f"mem/{column}_gb": gb for column, gb in largest.items()}
+        for rank, row in enumerate(memory.tolist()):
+            scalars |= {f"mem/rank{rank}/{column}_gb": gb for column, gb in zip(MEMORY_COLUMNS, row)
+                        if column in ("peak", "state")}
+        mfu = "n/a"
+        if self.peak_flops:
+            scalars["perf/mfu"] = tokens_per_sec * self.flops_per_token / self.peak_flops
+            mfu = f"{100 * scalars['perf/mfu']:.1f}%"
         for tag, value in scalars.items():
             self.writer.add_scalar(tag, value, step)
         eta = _duration(step_time * (self.max_iters - step))
+        # on CPU every column but state is the process's peak RSS: one figure is enough
+        reserved = f" ({largest['reserved']:.2f} reserved)" if largest["reserved"] != largest["peak"] else ""
         print(f"step {step}/{self.max_iters} | loss {loss:.4f} | lr {lr:.2e} | {tokens_per_sec:,.0f} tok/s "
-              f"| MFU {100 * mfu:.1f}% | mem {peak:.2f} GB | ETA {eta}", flush=True)
+              f"| MFU {mfu} | mem {largest['peak']:.2f} GB{reserved} | ETA {eta}", flush=True)
 
     def val(self, step: int, loss: float, sample: str) -> None:
         if self.enabled:
@@ -115,5 +140,8 @@ class ProgressLog:
         if not self.enabled:
             return
         self.writer.close()
-        peaks, states = (" ".join(f"{gb:.3f}" for gb in column) for column in memory.t().tolist())
-        print(f"memory per rank, GB: peak {peaks} | parameters, gradients, optimizer state {states}", flush=True)
+        memory = memory if self.run_peak is None else torch.maximum(self.run_peak, memory)
+        columns = {name: " ".join(f"{gb:.3f}" for gb in column) for name, column in zip(MEMORY_COLUMNS, memory.t().tolist())}
+        extra = "".join(f" | {name} {columns[name]}" for name in ("reserved", "host") if columns[name] != columns["peak"])
+        print(f"memory per rank, GB: peak {columns['peak']} | parameters, gradients, optimizer state "
+              f"{columns['state']}{extra}", flush=True)

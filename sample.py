@@ -12,7 +12,7 @@ import torch
 
 from config import UserError
 from data import get_tokenizer
-from fsdp_ckpt import load_gpt
+from ckpt_format import load_gpt
 
 
 def complete(model, tokenizer, prompt: str, max_new_tokens: int, temperature: float = 1.0,

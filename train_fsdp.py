@@ -5,16 +5,12 @@ activation checkpointing -> compile -> fully_shard per DecoderBlock, then the ro
 weights initialised on rank 0 and broadcast into the shards -> optimizer -> resume -> loop.
 """
 import math
-import os
 import signal
 import sys
-from dataclasses import dataclass
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
@@ -22,78 +18,26 @@ from config import UserError, parse_args, to_yaml
 from data import BatchLoader, get_tokenizer, prepare_data
 from evaluate import val_loss_sums
 from fsdp_ckpt import CheckpointManager
+from launch import STRATEGY_TABLE, Topology, agree, init_distributed, run_entry_point
 from metrics import ProgressLog, device_peak_flops, per_rank_memory
 from model import GPT, GPTConfig
 from sample import complete
 
-# strategy -> (mesh layout, reshard parameters after forward)
-STRATEGY_TABLE = {
-    "FULL_SHARD": ("flat", True),
-    "SHARD_GRAD_OP": ("flat", False),
-    "NO_SHARD": ("replicate", False),  # 2-D mesh (world, 1): shards of one rank = replication
-    "HYBRID_SHARD": ("hybrid", True),
-    "HYBRID_SHARD_ZERO2": ("hybrid", False),
-}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-@dataclass
-class Topology:
-    """Who this process is, computed once and passed down. Every rank is data-parallel."""
-    rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int
-    device: torch.device
-    mesh: DeviceMesh | None  # None under DDP
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-
-def init_distributed(cfg) -> Topology:
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    if torch.cuda.is_available():
-        device, backend = torch.device("cuda", local_rank), "nccl"
-        torch.cuda.set_device(device)
-    else:
-        device, backend = torch.device("cpu"), "gloo"
-    if "MASTER_ADDR" in os.environ:
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                              is_master=rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True",
-                              timeout=timedelta(minutes=30))
-        # a restarted group gets fresh keys: stale peer addresses of the last attempt break gloo
-        store = dist.PrefixStore(f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}", store)
-    else:  # plain `python train_fsdp.py`: a group of one
-        store = dist.HashStore()
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timedelta(minutes=30))
-    return Topology(rank, world, local_rank, local_world, device, build_mesh(cfg, world, local_world, device))
-
-
-def build_mesh(cfg, world: int, local_world: int, device: torch.device) -> DeviceMesh | None:
-    if not cfg.fsdp:
-        return None
-    layout, _ = STRATEGY_TABLE[cfg.sharding_strategy]
-    if layout == "flat":
-        return init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
-    shard = 1 if layout == "replicate" else (cfg.fsdp_size or local_world)
-    if shard > world:
-        raise UserError(f"{cfg.sharding_strategy} with fsdp_size={shard} needs at least {shard} ranks, launched "
-                        f"{world}: launch a multiple of {shard} ranks or set --fsdp_size to a divisor of {world}")
-    if world % shard:
-        raise UserError(f"fsdp_size={shard} must divide the world size {world} for {cfg.sharding_strategy}: "
-                        f"launch a multiple of {shard} ranks or set --fsdp_size to a divisor of {world}")
-    return init_device_mesh(device.type, (world // shard, shard), mesh_dim_names=("replicate", "shard"))
 
 
 def compute_dtype(cfg, device: torch.device) -> torch.dtype:
     if cfg.dtype != "auto":
         return DTYPES[cfg.dtype]
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if device.type == "cuda":  # emulated bf16 (V100, T4) is slow: those GPUs get fp16 with scaling
+        return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
     return torch.float32
+
+
+def autocast(cfg, device: torch.device):
+    """Under FSDP, MixedPrecisionPolicy casts for the compute; under DDP, autocast does."""
+    dtype = compute_dtype(cfg, device)
+    return torch.autocast(device.type, dtype=dtype, enabled=not cfg.fsdp and dtype != torch.float32)
 
 
 def build_model(cfg, gpt_cfg: GPTConfig, topo: Topology) -> torch.nn.Module:
@@ -155,7 +99,11 @@ def lr_at(cfg, step: int) -> float:
 
 
 class StopSignal:
-    """SIGTERM (what schedulers send before preemption) asks for a checkpoint and a clean exit."""
+    """SIGTERM (what schedulers send before preemption) asks for a checkpoint and a clean exit.
+
+    Checked on log steps only, where the loop syncs with the host anyway: every rank stops
+    after the same step, and steps between logs queue work without waiting for the host.
+    """
 
     def __init__(self):
         self.received = False
@@ -165,7 +113,7 @@ class StopSignal:
         self.received = True
 
     def agreed(self, device: torch.device) -> bool:
-        # a collective every step: ranks see the signal at different moments, all stop together
+        # a collective: ranks see the signal at different moments, all stop together
         flag = torch.tensor([float(self.received)], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return flag.item() > 0
@@ -203,15 +151,17 @@ def evaluate(model, gpt: GPT, loader: BatchLoader, cfg, tokenizer) -> tuple[floa
 
 
 def train(cfg) -> None:
+    stop_signal = StopSignal()  # first: a preemption during start-up still ends with a checkpoint
     topo = init_distributed(cfg)
     rank, world, device = topo.rank, topo.world_size, topo.device
     if cfg.train_batch % (cfg.micro_batch * world):
         raise UserError(f"train_batch={cfg.train_batch} must be a multiple of micro_batch={cfg.micro_batch} "
                         f"x {world} ranks = {cfg.micro_batch * world}")
     accum_steps = cfg.train_batch // (cfg.micro_batch * world)
-    meta = prepare_data(cfg.data_path, cfg.data_source, cfg.tokenizer)
+    # each rank reads the data itself (node-local disks): a failure on one stops every rank
+    meta = agree(lambda: prepare_data(cfg.data_path, cfg.data_source, cfg.tokenizer))
     cfg.tokenizer = meta["tokenizer"]  # what the data holds: sampling and export decode with it
-    tokenizer = get_tokenizer(cfg.tokenizer)
+    tokenizer = agree(lambda: get_tokenizer(cfg.tokenizer))
     if cfg.vocab_size is None:
         cfg.vocab_size = -(-tokenizer.n_vocab // 64) * 64
     if cfg.vocab_size < tokenizer.n_vocab:
@@ -223,7 +173,7 @@ def train(cfg) -> None:
             print(f"note: config written for world_size={cfg.world_size}, launched with {world} ranks; "
                   f"train_batch={cfg.train_batch} stays global, so accumulation is now {accum_steps} micro-steps")
         print(f"{world} ranks, {cfg.sharding_strategy if cfg.fsdp else 'DDP'}, mesh {topo.mesh}, "
-              f"gradient accumulation {accum_steps}", flush=True)
+              f"gradient accumulation {accum_steps}, compute dtype {compute_dtype(cfg, device)}", flush=True)
     model = build_model(cfg, gpt_cfg, topo)
     gpt = getattr(model, "module", model)  # the GPT under a DDP wrapper; FSDP2 keeps the module itself
     optimizer = build_optimizer(cfg, model)
@@ -232,13 +182,16 @@ def train(cfg) -> None:
     loader = BatchLoader(cfg.data_path, meta, cfg.block_size, cfg.train_batch, cfg.micro_batch,
                          rank, world, cfg.seed, device)
     tokens_per_step = cfg.train_batch * cfg.block_size
+    peak_flops = device_peak_flops(device)
+    if peak_flops is None and topo.is_main:
+        print(f"note: MFU unknown for GPU '{torch.cuda.get_device_name(device)}': add its dense bf16 peak FLOP/s "
+              f"to metrics.GPU_PEAK_FLOPS", flush=True)
     log = ProgressLog(topo.is_main, cfg.tensorboard_dir, cfg.max_iters, tokens_per_step,
-                      gpt.flops_per_token(), device_peak_flops(device) * world)
+                      gpt.flops_per_token(), None if peak_flops is None else peak_flops * world)
     scaler = torch.amp.GradScaler(device.type, enabled=compute_dtype(cfg, device) == torch.float16)
     if step == 0:
         log.val(0, *evaluate(model, gpt, loader, cfg, tokenizer))
     log.start(step)
-    stop_signal = StopSignal()
     while step < cfg.max_iters:
         step += 1
         lr = lr_at(cfg, step)
@@ -248,7 +201,8 @@ def train(cfg) -> None:
         loss_sum = torch.zeros((), device=device)
         for micro_step, (x, y) in enumerate(loader.micro_batches(step)):
             set_gradient_sync(model, micro_step == accum_steps - 1)
-            _, loss = model(x, y)
+            with autocast(cfg, device):
+                _, loss = model(x, y)
             scaler.scale(loss / accum_steps).backward()
             loss_sum += loss.detach()
         scaler.unscale_(optimizer)
@@ -256,41 +210,29 @@ def train(cfg) -> None:
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
-        stop = stop_signal.agreed(device)
-        last = step == cfg.max_iters or stop
+        last = step == cfg.max_iters
         if step % cfg.log_interval == 0 or last:
             dist.all_reduce(loss_sum)  # every rank's share: the loss of the whole global batch
             grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
             log.train(step, loss_sum.item() / (accum_steps * world), lr, grad_norm.item(),
                       per_rank_memory(model, optimizer, device))
+            if stop_signal.agreed(device):
+                # the checkpoint first, no eval or text sample: the grace period before SIGKILL is short
+                ckpt.save(step, model, optimizer)
+                if topo.is_main:
+                    print(f"SIGTERM: stopped after step {step} with its checkpoint saved", flush=True)
+                break
         if step % cfg.eval_interval == 0 or last:
             log.val(step, *evaluate(model, gpt, loader, cfg, tokenizer))
             log.start(step)  # tokens/s and ETA count training time only
         if step % cfg.save_interval == 0 or last:
             ckpt.save(step, model, optimizer)
             log.start(step)
-        if stop:
-            if topo.is_main:
-                print(f"SIGTERM: stopped after step {step} with its checkpoint saved", flush=True)
-            break
     ckpt.close()
     log.close(per_rank_memory(model, optimizer, device))
     if topo.is_main:
         print(f"done: last checkpoint {ckpt.last_saved}, TensorBoard logs in {cfg.tensorboard_dir}/", flush=True)
-    # no rank tears its connections down while a peer is still using them: a gloo peer whose
-    # connection closes under it can abort at exit ("terminate called without an active exception")
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def main(argv: list[str]) -> int:
-    try:
-        train(parse_args(argv))
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    run_entry_point(lambda: train(parse_args(sys.argv[1:])))

@@ -15,7 +15,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from config import parse_args  # noqa: E402
 from fsdp_ckpt import CheckpointManager  # noqa: E402
 from model import GPTConfig  # noqa: E402
-from train_fsdp import build_model, build_optimizer, init_distributed  # noqa: E402
+from launch import init_distributed, run_entry_point  # noqa: E402
+from train_fsdp import build_model, build_optimizer  # noqa: E402
 
 REPEATS = 3
 
@@ -63,8 +64,7 @@ def main(argv):
         load = statistics.median(timed(lambda: torch.load(path, weights_only=True)) for _ in range(REPEATS))
         size = os.path.getsize(path)
         print(f"{'plain':<8} {'sync':<6} {save:>12.3f} {size / 1e6 / save:>10.0f} {size / 1e6 / load:>10.0f}")
-    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_entry_point(lambda: main(sys.argv[1:]))

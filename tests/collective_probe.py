@@ -13,6 +13,8 @@ from torch.distributed.fsdp._fully_shard import _fsdp_collectives
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_fsdp  # noqa: E402
+from config import parse_args  # noqa: E402
+from launch import run_entry_point  # noqa: E402
 
 GRADIENT_COLLECTIVES = ("reduce_scatter_single", "reduce_scatter_tensor", "all_reduce")
 counts = Counter()
@@ -30,9 +32,11 @@ class CountingDist:
         return counted
 
 
+def probe(argv: list[str]) -> None:
+    train_fsdp.train(parse_args(argv))
+    if dist.get_rank() == 0:
+        print(json.dumps(counts))
+
+
 _fsdp_collectives.dist = CountingDist()
-rank = int(os.environ.get("RANK", 0))
-code = train_fsdp.main(sys.argv[1:])
-if rank == 0:
-    print(json.dumps(counts))
-sys.exit(code)
+run_entry_point(lambda: probe(sys.argv[1:]))

@@ -8,24 +8,30 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from config import parse_args  # noqa: E402
 from model import GPTConfig  # noqa: E402
-from train_fsdp import build_model, build_optimizer, init_distributed  # noqa: E402
+from launch import init_distributed, run_entry_point  # noqa: E402
+from train_fsdp import build_model, build_optimizer  # noqa: E402
 
-cfg = parse_args(sys.argv[1:] + ["--dtype=fp16"])
-topo = init_distributed(cfg)
-model = build_model(cfg, GPTConfig(**cfg.model_shape), topo)
-optimizer = build_optimizer(cfg, model)
-scaler = torch.amp.GradScaler(topo.device.type)  # as the trainer makes it for fp16
-report = []
-for overflow_on_rank0 in (True, False):
-    x = torch.randint(0, cfg.vocab_size, (2, cfg.block_size), generator=torch.Generator().manual_seed(0))
-    scaler.scale(model(x, x)[1]).backward()
-    if overflow_on_rank0 and topo.rank == 0:
-        model.blocks[0].mlp.c_fc.weight.grad.to_local()[0, 0] = float("inf")  # in rank 0's shard only
-    before = [p.detach().to_local().clone() for p in model.parameters()]
-    scaler.unscale_(optimizer)
-    scaler.step(optimizer)
-    scaler.update()
-    optimizer.zero_grad(set_to_none=True)
-    stepped = any(not torch.equal(b, p.detach().to_local()) for b, p in zip(before, model.parameters()))
-    report.append({"stepped": stepped, "scale": scaler.get_scale()})
-print(json.dumps({"rank": topo.rank, "steps": report}), flush=True)
+
+def probe(argv: list[str]) -> None:
+    cfg = parse_args(argv + ["--dtype=fp16"])
+    topo = init_distributed(cfg)
+    model = build_model(cfg, GPTConfig(**cfg.model_shape), topo)
+    optimizer = build_optimizer(cfg, model)
+    scaler = torch.amp.GradScaler(topo.device.type)  # as the trainer makes it for fp16
+    report = []
+    for overflow_on_rank0 in (True, False):
+        x = torch.randint(0, cfg.vocab_size, (2, cfg.block_size), generator=torch.Generator().manual_seed(0))
+        scaler.scale(model(x, x)[1]).backward()
+        if overflow_on_rank0 and topo.rank == 0:
+            model.blocks[0].mlp.c_fc.weight.grad.to_local()[0, 0] = float("inf")  # in rank 0's shard only
+        before = [p.detach().to_local().clone() for p in model.parameters()]
+        scaler.unscale_(optimizer)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        stepped = any(not torch.equal(b, p.detach().to_local()) for b, p in zip(before, model.parameters()))
+        report.append({"stepped": stepped, "scale": scaler.get_scale()})
+    print(json.dumps({"rank": topo.rank, "steps": report}), flush=True)
+
+
+run_entry_point(lambda: probe(sys.argv[1:]))

@@ -8,9 +8,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import model as model_module  # noqa: E402
 from config import parse_args  # noqa: E402
-from fsdp_ckpt import FULL_OPTIONS, local_slice  # noqa: E402
+from ckpt_format import FULL_OPTIONS, local_slice  # noqa: E402
 from torch.distributed.checkpoint.state_dict import get_model_state_dict  # noqa: E402
-from train_fsdp import build_model, init_distributed  # noqa: E402
+from launch import init_distributed, run_entry_point  # noqa: E402
+from train_fsdp import build_model  # noqa: E402
 
 materialised = []  # parameter counts of every whole model this rank initialised
 real_init = model_module.GPT.init_weights
@@ -22,13 +23,18 @@ def spy(self):
 
 
 model_module.GPT.init_weights = spy
-out_dir, argv = sys.argv[1], sys.argv[2:]
-cfg = parse_args(argv)
-topo = init_distributed(cfg)
-gpt = build_model(cfg, model_module.GPTConfig(**cfg.model_shape), topo)
-local = sum(local_slice(p)[0].numel() for p in gpt.parameters())
-full = get_model_state_dict(gpt, options=FULL_OPTIONS)
-if topo.is_main:
-    torch.save(full, os.path.join(out_dir, f"weights_world{topo.world_size}.pt"))
-with open(os.path.join(out_dir, f"world{topo.world_size}_rank{topo.rank}.json"), "w") as f:
-    json.dump({"materialised": materialised, "local": local, "total": sum(p.numel() for p in gpt.parameters())}, f)
+
+
+def probe(out_dir: str, argv: list[str]) -> None:
+    cfg = parse_args(argv)
+    topo = init_distributed(cfg)
+    gpt = build_model(cfg, model_module.GPTConfig(**cfg.model_shape), topo)
+    local = sum(local_slice(p)[0].numel() for p in gpt.parameters())
+    full = get_model_state_dict(gpt, options=FULL_OPTIONS)
+    if topo.is_main:
+        torch.save(full, os.path.join(out_dir, f"weights_world{topo.world_size}.pt"))
+    with open(os.path.join(out_dir, f"world{topo.world_size}_rank{topo.rank}.json"), "w") as f:
+        json.dump({"materialised": materialised, "local": local, "total": sum(p.numel() for p in gpt.parameters())}, f)
+
+
+run_entry_point(lambda: probe(sys.argv[1], sys.argv[2:]))

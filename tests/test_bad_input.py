@@ -9,7 +9,7 @@ from conftest import ROOT, run_trainer
 
 
 def assert_one_line_error(result, *phrases):
-    assert result.returncode != 0
+    assert result.returncode == 2, result.stderr[-3000:]
     assert "Traceback" not in result.stderr + result.stdout
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1, result.stderr
@@ -27,7 +27,8 @@ def assert_one_line_error(result, *phrases):
     ({"fsdp_size": 0}, ["fsdp_size must be positive"]),
     ({"sharding_strategy": "HYBRID_SHARD", "fsdp_size": 2}, ["HYBRID_SHARD with fsdp_size=2 needs at least 2 ranks"]),
     ({"data_source": None, "data_path": "no/such/folder"}, ["no prepared data in 'no/such/folder'"]),
-    ({"data_source": "no/such/*.txt"}, ["data_source 'no/such/*.txt' matches no file"]),
+    # an unprepared data_path of its own: the session's corpus may be prepared already
+    ({"data_source": "no/such/*.txt", "data_path": "unprepared"}, ["data_source 'no/such/*.txt' matches no file"]),
 ])
 def test_bad_config(override, phrases, corpus, tmp_path):
     result = run_trainer(str(tmp_path), check=False, **(corpus | override))

@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 
+import ckpt_format
 import fsdp_ckpt
 from config import UserError
 from conftest import DEMO, ROOT, RUN, TINY, checkpoint_of, overrides, run_trainer, scalars, trainer_cmd
@@ -96,6 +97,7 @@ def test_sigterm_saves_the_current_step_and_exits_zero(corpus, tmp_path):
     assert len(saved) == 1
     stopped_at = int(saved[0][len("fsdp_cpt"):-len(".pth")])
     assert f"SIGTERM: stopped after step {stopped_at}" in output and 3 <= stopped_at < 100
+    assert f"step {stopped_at}/100 | val loss" not in output  # the save comes first, no eval
     # resume to stopped_at + 2 against a run that went there without stopping
     common = TINY | corpus | dict(lr_decay_iters=100, max_iters=stopped_at + 2)
     run_trainer(str(tmp_path), resume_from="latest", **common)
@@ -122,7 +124,7 @@ def test_damaged_checkpoints_refused_and_latest_falls_back(corpus, tmp_path):
         "fsdp_sharded_cpt6_rank0.pth"]
     flip_byte(directory / "fsdp_sharded_cpt6_rank0.pth")
     with pytest.raises(UserError, match="fsdp_sharded_cpt6_rank0.pth is corrupt: its checksum"):
-        fsdp_ckpt.read_sharded(str(directory), 6)
+        ckpt_format.read_sharded(str(directory), 6)
     result = run_trainer(str(tmp_path), checkpoint_type="sharded", max_iters=7, resume_from="latest",
                          tensorboard_dir=str(tmp_path / "tb2"), **corpus)
     assert "skipping a damaged checkpoint: checkpoint" in result.stdout
@@ -130,7 +132,7 @@ def test_damaged_checkpoints_refused_and_latest_falls_back(corpus, tmp_path):
     # a set that mixes steps: step 4's file where step 6's should be
     os.replace(directory / "fsdp_sharded_cpt4_rank0.pth", directory / "fsdp_sharded_cpt6_rank0.pth")
     with pytest.raises(UserError, match="mixes files of different checkpoints"):
-        fsdp_ckpt.read_sharded(str(directory), 6)
+        ckpt_format.read_sharded(str(directory), 6)
 
 
 def test_bit_flip_in_full_checkpoint_is_refused(corpus, tmp_path):
@@ -155,11 +157,11 @@ def test_kills_during_saves_leave_every_visible_checkpoint_loadable(corpus, tmp_
         proc.wait()
         directory = str(tmp_path / "ckpt")
         for name in os.listdir(directory):
-            if m := fsdp_ckpt.FULL_RE.fullmatch(name):
-                fsdp_ckpt.load_file(os.path.join(directory, name))
-            elif m := fsdp_ckpt.MARKER_RE.fullmatch(name):
-                fsdp_ckpt.read_sharded(directory, int(m.group(1)))
-    newest = max(fsdp_ckpt.complete_checkpoints(str(tmp_path / "ckpt")))
+            if m := ckpt_format.FULL_RE.fullmatch(name):
+                ckpt_format.load_file(os.path.join(directory, name))
+            elif m := ckpt_format.MARKER_RE.fullmatch(name):
+                ckpt_format.read_sharded(directory, int(m.group(1)))
+    newest = max(ckpt_format.complete_checkpoints(str(tmp_path / "ckpt")))
     result = run_trainer(str(tmp_path), resume_from="latest", max_iters=newest[0] + 1, lr_decay_iters=1000,
                          checkpoint_type=newest[1], **corpus)
     assert f"at step {newest[0]}" in result.stdout
@@ -173,3 +175,44 @@ def test_resharded_checkpoint_resumes_bitwise_at_the_original_size(two_rank_runs
     got = resumed_losses(tmp_path, out, **corpus)
     expected = scalars(os.path.join(two_rank_runs["sharded"], "tb"), "train/loss")
     assert sorted(got) == [4, 5, 6] and all(got[s] == expected[s] for s in got)
+
+
+def test_resume_refuses_a_folder_with_newer_checkpoints_and_prune_keeps_new_saves(corpus, tmp_path):
+    run_trainer(str(tmp_path), max_iters=6, save_interval=2, keep_last=2, **corpus)
+    directory = tmp_path / "ckpt"
+    assert sorted(os.listdir(directory)) == ["fsdp_cpt4.pth", "fsdp_cpt6.pth"]
+    # resuming step 4 where step 6 exists: `latest` would jump back to 6 after a restart
+    result = run_trainer(str(tmp_path), resume_from=str(directory / "fsdp_cpt4.pth"), max_iters=8, check=False,
+                         **corpus)
+    assert result.returncode == 2, result.stderr
+    assert (f"error: {directory}/ holds checkpoints of steps 6, newer than the resumed step 4: move them out of "
+            f"{directory}/ or set --checkpoint_dir to a new folder") in result.stderr
+    # a fresh start in that folder: keep_last never deletes what this run wrote for older steps' sake
+    run_trainer(str(tmp_path), max_iters=2, save_interval=1, keep_last=1, **corpus)
+    assert sorted(os.listdir(directory)) == ["fsdp_cpt2.pth", "fsdp_cpt4.pth", "fsdp_cpt6.pth"]
+
+
+def test_sigterm_during_start_up_stops_after_the_first_step(corpus, tmp_path):
+    """The handler is in place before data preparation and the model build; the stop saves and skips eval."""
+    cmd = trainer_cmd(1) + [DEMO] + overrides(**(TINY | corpus | dict(
+        max_iters=100, lr_decay_iters=100, checkpoint_dir=str(tmp_path / "ckpt"), tensorboard_dir=str(tmp_path / "tb"))))
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    first_line = proc.stdout.readline()  # printed before the model is built
+    proc.send_signal(signal.SIGTERM)
+    output = first_line + proc.stdout.read()
+    assert proc.wait(timeout=120) == 0, output
+    assert "SIGTERM: stopped after step 1 with its checkpoint saved" in output
+    assert os.listdir(tmp_path / "ckpt") == ["fsdp_cpt1.pth"]
+    assert "step 1/100 | val loss" not in output
+
+
+def test_an_unexpected_error_on_one_rank_stops_every_rank_at_once(corpus, tmp_path):
+    """Rank 1 fails alone while rank 0 waits in a collective: both exit non-zero within seconds,
+    not after the 30-minute collective timeout."""
+    probe = os.path.join(ROOT, "tests", "crash_probe.py")
+    launcher = trainer_cmd(2)[:-1] + [probe]
+    result = run_trainer(str(tmp_path), nproc=2, launcher=launcher, check=False, timeout=120, **corpus)
+    assert result.returncode != 0
+    assert "KeyError: \"injected: a rank's own failure\"" in result.stderr
+    assert "Connection closed by peer" in result.stderr  # rank 0 left its collective
+    assert not os.path.exists(tmp_path / "ckpt" / "fsdp_cpt8.pth")

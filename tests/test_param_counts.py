@@ -4,8 +4,18 @@ import re
 import subprocess
 
 import pytest
+import yaml
 
 from conftest import ROOT, overrides, trainer_cmd
+
+
+def gpt2_parameters(vocab_size, block_size, n_layer, n_embd, bias=True, **_) -> int:
+    """Counted by hand from the GPT-2 layout (tied LM head): embeddings, per block two LayerNorms,
+    attention (qkv + projection) and MLP (4x up + down), and the final LayerNorm."""
+    b = 1 if bias else 0
+    block = 2 * (n_embd + b * n_embd) + (3 * n_embd * n_embd + b * 3 * n_embd) + (n_embd * n_embd + b * n_embd) + (
+        4 * n_embd * n_embd + b * 4 * n_embd) + (4 * n_embd * n_embd + b * n_embd)
+    return vocab_size * n_embd + block_size * n_embd + n_layer * block + n_embd + b * n_embd
 
 
 @pytest.mark.slow
@@ -27,4 +37,7 @@ def test_printed_parameter_count(name, target, corpus, tmp_path):
     finally:
         proc.kill()
         proc.wait()
-    assert abs(count - target) <= 0.1 * target, count
+    with open(os.path.join(ROOT, "config", name)) as f:
+        shape = yaml.safe_load(f)
+    assert count == gpt2_parameters(**shape)
+    assert abs(count - target) <= 0.05 * target, count  # the name says what the config holds

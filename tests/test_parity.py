@@ -17,7 +17,8 @@ def single_process(corpus, tmp_path_factory):
     run_dir = str(tmp_path_factory.mktemp("ref"))
     result = run_trainer(run_dir, nproc=1, max_iters=STEPS, **corpus)
     assert "gradient accumulation 4" in result.stdout  # one process needs 4 micro-steps
-    return {tag: scalars(os.path.join(run_dir, "tb"), tag) for tag in ("train/loss", "val/loss")}
+    # grad_norm catches a wrong reduction, or a missing division by the accumulation steps
+    return {tag: scalars(os.path.join(run_dir, "tb"), tag) for tag in ("train/loss", "train/grad_norm", "val/loss")}
 
 
 @pytest.fixture(scope="module")
@@ -70,28 +71,49 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("strategy", ["HYBRID_SHARD", "HYBRID_SHARD_ZERO2", "FULL_SHARD"])
-def test_two_nodes_match_one_process(strategy, single_process, corpus, tmp_path):
-    """Two torchrun launches of 2 ranks, as on two machines; each 'node' runs in its own folder,
-    where relative checkpoint and log paths land (a node's local disk)."""
+def launch_two_nodes(tmp_path, settings: dict) -> list[tuple[int, str, str]]:
+    """Two torchrun launches of 2 ranks, as on two machines, each in its own folder node0/node1,
+    where relative checkpoint and log paths land (a node's local disk). (exit code, stdout, stderr) each."""
     port, nodes = free_port(), []
-    settings = TINY | corpus | dict(max_iters=STEPS, sharding_strategy=strategy, checkpoint_dir="ckpt",
-                                    tensorboard_dir="tb")
     for node_rank in (0, 1):
-        (tmp_path / f"node{node_rank}").mkdir()
+        (tmp_path / f"node{node_rank}").mkdir(exist_ok=True)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node_rank}",
                "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={port}",
                os.path.join(ROOT, "train_fsdp.py"), DEMO] + overrides(**settings)
         nodes.append(subprocess.Popen(cmd, cwd=tmp_path / f"node{node_rank}", text=True, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, env=dict(os.environ, OMP_NUM_THREADS="1")))
-    outputs = [node.communicate(timeout=300) for node in nodes]
-    for node, (stdout, stderr) in zip(nodes, outputs):
-        assert node.returncode == 0, stderr[-3000:]
+    return [(node.returncode, *output) for node, output in zip(nodes, [n.communicate(timeout=300) for n in nodes])]
+
+
+@pytest.mark.parametrize("strategy", ["HYBRID_SHARD", "HYBRID_SHARD_ZERO2", "FULL_SHARD"])
+def test_two_nodes_match_one_process(strategy, single_process, corpus, tmp_path):
+    settings = TINY | corpus | dict(max_iters=STEPS, sharding_strategy=strategy, checkpoint_dir="ckpt",
+                                    tensorboard_dir="tb")
+    outputs = launch_two_nodes(tmp_path, settings)
+    for code, _, stderr in outputs:
+        assert code == 0, stderr[-3000:]
     if strategy.startswith("HYBRID"):  # sharded inside a node, replicated across the two
-        assert "mesh DeviceMesh((replicate=2, shard=2)" in outputs[0][0]
+        assert "mesh DeviceMesh((replicate=2, shard=2)" in outputs[0][1]
     assert_parity(single_process, str(tmp_path / "node0"))
     # global rank 0 alone prints, logs and writes the full checkpoint
     assert os.listdir(tmp_path / "node1") == []
-    assert "step " not in outputs[1][0]
+    assert "step " not in outputs[1][1]
     assert len(os.listdir(tmp_path / "node0" / "tb")) == 1
     assert os.listdir(tmp_path / "node0" / "ckpt") == [f"fsdp_cpt{STEPS}.pth"]
+
+
+def test_sharded_checkpoints_on_node_local_disks(corpus, tmp_path):
+    """Each node writes its ranks' files into its own folder; a resume that can't see the whole set
+    on every rank stops with one line instead of starting from scratch on some ranks."""
+    settings = TINY | corpus | dict(max_iters=2, save_interval=2, checkpoint_type="sharded", checkpoint_dir="ckpt",
+                                    tensorboard_dir="tb")
+    for code, _, stderr in launch_two_nodes(tmp_path, settings):
+        assert code == 0, stderr[-3000:]
+    assert sorted(os.listdir(tmp_path / "node0" / "ckpt")) == [
+        "fsdp_sharded_cpt2.complete", "fsdp_sharded_cpt2_rank0.pth", "fsdp_sharded_cpt2_rank1.pth"]
+    assert sorted(os.listdir(tmp_path / "node1" / "ckpt")) == ["fsdp_sharded_cpt2_rank2.pth", "fsdp_sharded_cpt2_rank3.pth"]
+    outputs = launch_two_nodes(tmp_path, settings | dict(max_iters=4, resume_from="latest"))
+    for code, stdout, stderr in outputs:
+        assert code != 0 and "starting from scratch" not in stdout
+        assert ("ranks [2, 3] can't see ckpt/fsdp_sharded_cpt2.complete, which rank 0 sees: a sharded resume needs "
+                "checkpoint_dir on a filesystem every node shares (or checkpoint_type: full)") in stderr

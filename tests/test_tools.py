@@ -40,7 +40,7 @@ def test_exported_model_loads_in_transformers_with_the_same_logits(two_rank_runs
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from fsdp_ckpt import load_gpt
+    from ckpt_format import load_gpt
 
     exports = {}
     for kind in ("full", "sharded"):

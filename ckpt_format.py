@@ -1,0 +1,240 @@
+"""Checkpoint files: names, atomic writes, checksums, sharded pieces, and offline readers.
+
+Full:    fsdp_cpt{step}.pth, written by rank 0: plain tensors that model.GPT loads as they are.
+Sharded: fsdp_sharded_cpt{step}_rank{r}.pth, one per rank: each parameter's and optimizer
+         moment's dim-0 slice with its global shape and offset, so any world size and
+         strategy can reassemble its own slices; fsdp_sharded_cpt{step}.complete marks the set
+         complete once every rank has written.
+
+Nothing here needs a process group: sample.py, export_hf.py and consolidation read sets offline.
+"""
+import os
+import re
+import zlib
+
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_leaves
+
+from config import MODEL_SHAPE_KEYS, UserError
+from model import GPT, GPTConfig
+
+FULL_RE = re.compile(r"fsdp_cpt(\d+)\.pth$")
+SHARD_RE = re.compile(r"fsdp_sharded_cpt(\d+)_rank(\d+|\{rank\})\.pth$")
+MARKER_RE = re.compile(r"fsdp_sharded_cpt(\d+)\.complete$")
+FULL_OPTIONS = StateDictOptions(full_state_dict=True, cpu_offload=True)
+LOAD_OPTIONS = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+
+
+def full_path(directory: str, step: int) -> str:
+    return os.path.join(directory, f"fsdp_cpt{step}.pth")
+
+
+def shard_path(directory: str, step: int, rank: int) -> str:
+    return os.path.join(directory, f"fsdp_sharded_cpt{step}_rank{rank}.pth")
+
+
+def marker_path(directory: str, step: int) -> str:
+    return os.path.join(directory, f"fsdp_sharded_cpt{step}.complete")
+
+
+class CorruptCheckpoint(UserError):
+    """A checkpoint that is damaged or incomplete (as opposed to one that doesn't fit)."""
+
+
+def _crc32(obj) -> int:
+    """Checksum of every tensor's bytes and every other value: torch.load notices a truncated
+    file, but not flipped bytes inside tensor data."""
+    crc = 0
+    for leaf in tree_leaves(obj):
+        if isinstance(leaf, torch.Tensor):
+            data = leaf.detach().reshape(-1).contiguous().view(torch.uint8).numpy()
+        else:
+            data = repr(leaf).encode()
+        crc = zlib.crc32(data, crc)
+    return crc
+
+
+def save_atomically(obj: dict, path: str) -> None:
+    """Temp file, fsync, rename: the final name only ever holds a complete file."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as f:
+        torch.save(obj | {"crc32": _crc32(obj)}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # make the rename itself durable
+    finally:
+        os.close(dir_fd)
+
+
+def read_verified(path: str, mmap: bool = False) -> dict:
+    """torch.load(weights_only=True), then the checksum written with the file."""
+    if not os.path.isfile(path):
+        raise CorruptCheckpoint(f"checkpoint file not found: {path}")
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except OSError as e:  # the filesystem failed, not the file: an error, never "damaged, skip it"
+        raise UserError(f"could not read checkpoint {path}: {e}; check the filesystem and run again")
+    except Exception as e:  # torch raises RuntimeError, UnpicklingError, EOFError... for damaged files
+        raise CorruptCheckpoint(f"checkpoint {path} is corrupt or truncated ({str(e).splitlines()[0][:120]}); "
+                        f"resume from an earlier checkpoint")
+    if not isinstance(obj, dict) or obj.pop("crc32", None) != _crc32(obj):
+        raise CorruptCheckpoint(f"checkpoint {path} is corrupt: its checksum does not match its contents; "
+                        f"resume from an earlier checkpoint")
+    return obj
+
+
+def load_file(path: str, mmap: bool = False) -> dict:
+    obj = read_verified(path, mmap)
+    if not {"model", "optimizer", "step", "model_config"} <= obj.keys():
+        raise CorruptCheckpoint(f"{path} is not a checkpoint of this trainer (needs model, optimizer, step, model_config)")
+    return obj
+
+
+def check_model_shape(path: str, saved: dict, cfg) -> None:
+    for key in MODEL_SHAPE_KEYS:
+        if saved.get(key) != getattr(cfg, key):
+            raise UserError(f"checkpoint {path} has {key}={saved.get(key)} but the config has {key}="
+                            f"{getattr(cfg, key)}: set --{key}={saved.get(key)} to resume it")
+
+
+def local_slice(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """This rank's dim-0 slice of a (possibly FSDP-sharded) tensor and its global offset.
+
+    FSDP2 shards dim 0 like torch.chunk: rank i of n holds rows [i*c, min((i+1)*c, rows)),
+    c = ceil(rows / n), possibly none.
+    """
+    if not isinstance(t, DTensor):
+        return t, 0
+    offset = 0
+    for mesh_dim, placement in enumerate(t.placements):
+        if placement.is_shard(0):
+            n, i = t.device_mesh.size(mesh_dim), t.device_mesh.get_local_rank(mesh_dim)
+            offset += min(i * -(-t.shape[0] // n), t.shape[0])
+    return t.to_local(), offset
+
+
+def host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A host copy that owns its bytes: what is written never aliases a training tensor, and
+    device tensors (a fused optimizer's `step` lives on the GPU) leave the device first."""
+    return t.detach().to("cpu", copy=True)
+
+
+def piece_of(t: torch.Tensor) -> dict:
+    local, offset = local_slice(t)
+    return {"shape": list(t.shape), "offset": offset, "data": host_copy(local)}
+
+
+def _slices(pieces: list[dict], offset: int, rows: int) -> list[torch.Tensor]:
+    """Views of the saved slices that make up rows [offset, offset + rows) of a tensor."""
+    parts, cursor = [], offset
+    for piece in sorted(pieces, key=lambda p: p["offset"]):
+        start, data = piece["offset"], piece["data"]
+        end = start + data.shape[0]
+        if start <= cursor < end and cursor < offset + rows:
+            take = min(end, offset + rows) - cursor
+            parts.append(data[cursor - start:cursor - start + take])
+            cursor += take
+    if cursor != offset + rows:
+        raise CorruptCheckpoint(f"sharded checkpoint is missing rows {cursor}..{offset + rows} of a tensor")
+    return parts
+
+
+def _assemble(pieces: list[dict], offset: int, rows: int) -> torch.Tensor:
+    parts = _slices(pieces, offset, rows)
+    return torch.cat(parts) if parts else pieces[0]["data"][:0]
+
+
+def fill_local(target: torch.Tensor, pieces: list[dict]) -> None:
+    local, offset = local_slice(target)
+    with torch.no_grad():
+        local.copy_(_assemble(pieces, offset, local.shape[0]))
+
+
+def complete_checkpoints(directory: str) -> list[tuple[int, str]]:
+    """(step, "full" | "sharded") of every checkpoint visible under its final name."""
+    found = []
+    for name in os.listdir(directory) if os.path.isdir(directory) else []:
+        if m := FULL_RE.fullmatch(name):
+            found.append((int(m.group(1)), "full"))
+        elif m := MARKER_RE.fullmatch(name):
+            found.append((int(m.group(1)), "sharded"))
+    return found
+
+
+def read_sharded(directory: str, step: int) -> list[dict]:
+    """Every rank file of a complete sharded checkpoint, memory-mapped and verified."""
+    marker = marker_path(directory, step)
+    if not os.path.isfile(marker):
+        raise CorruptCheckpoint(f"sharded checkpoint of step {step} in {directory}/ is incomplete "
+                                f"(no {os.path.basename(marker)}): some rank never finished writing it")
+    saved_world = read_verified(marker)["world_size"]
+    files = [load_file(shard_path(directory, step, r), mmap=True) for r in range(saved_world)]
+    for r, f in enumerate(files):
+        if (f["step"], f["rank"]) != (step, r):
+            raise CorruptCheckpoint(f"rank file {shard_path(directory, step, r)} holds step {f['step']} of rank "
+                                    f"{f['rank']}: the set mixes files of different checkpoints")
+    # every tensor whole across the files (views only): later reads can't fail on one rank alone
+    for name, piece in files[0]["model"].items():
+        _slices([f["model"][name] for f in files], 0, piece["shape"][0])
+    for name, saved in files[0]["optimizer"].items():
+        for key, piece in saved.items():
+            if isinstance(piece, dict):
+                _slices([f["optimizer"][name][key] for f in files], 0, piece["shape"][0])
+    return files
+
+
+def _whole_model(files: list[dict]) -> dict:
+    """The full model state dict from a sharded set's rank files, tied names included."""
+    model = {name: _whole([f["model"][name] for f in files]) for name in files[0]["model"]}
+    return model | {alias: model[name] for alias, name in files[0]["aliases"].items()}
+
+
+def _whole(pieces: list[dict]) -> torch.Tensor:
+    return _assemble(pieces, 0, pieces[0]["shape"][0]).clone()  # clone: off the memory maps
+
+
+def consolidate(shard_file: str, out_path: str) -> None:
+    """Sharded checkpoint -> one full file, offline: as fsdp_cpt{step}.pth of the same step."""
+    match = SHARD_RE.search(os.path.basename(shard_file))
+    if not match:
+        raise UserError(f"{shard_file} is not named fsdp_sharded_cpt{{step}}_rank{{rank}}.pth")
+    files = read_sharded(os.path.dirname(shard_file), int(match.group(1)))
+    first = files[0]
+    state = {name: {key: _whole([f["optimizer"][name][key] for f in files]) if isinstance(value, dict) else value
+                    for key, value in saved.items()} for name, saved in first["optimizer"].items()}
+    header = {k: first[k] for k in ("step", "model_config", "config", "train_state")}
+    save_atomically(header | {"model": _whole_model(files),
+                              "optimizer": {"state": state, "param_groups": first["param_groups"]}}, out_path)
+
+
+def read_model(path: str) -> tuple[dict, dict]:
+    """(checkpoint, full model state dict) in one process, no process group: from a full file,
+    any rank's file of a sharded set, or a folder (its newest complete checkpoint)."""
+    if os.path.isdir(path):
+        found = sorted(complete_checkpoints(path), reverse=True)
+        if not found:
+            raise UserError(f"no complete checkpoint in {path}/")
+        step, kind = found[0]
+        path = full_path(path, step) if kind == "full" else shard_path(path, step, 0)
+    if match := SHARD_RE.search(os.path.basename(path)):
+        files = read_sharded(os.path.dirname(path), int(match.group(1)))
+        return files[0], _whole_model(files)
+    ckpt = load_file(path)
+    return ckpt, ckpt["model"]
+
+
+def load_gpt(path: str, device: torch.device) -> tuple[GPT, dict]:
+    """A plain model.GPT in eval mode with a checkpoint's weights, and the checkpoint."""
+    ckpt, state = read_model(path)
+    with torch.device("meta"):
+        model = GPT(GPTConfig(**ckpt["model_config"]))
+    model.load_state_dict(state, assign=True)
+    model.tie_weights()
+    return model.to(device).eval(), ckpt
+
+

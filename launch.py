@@ -1,0 +1,149 @@
+"""Process group lifetime: who this process is, the device mesh, and how every entry point ends.
+
+Every script that starts a process group (the trainer, the probes the tests launch) runs its
+body through `run_entry_point`, which turns the outcome into an exit code and leaves the
+process with `os._exit` after all I/O is done. Why not a normal interpreter exit:
+
+  FSDP's meshes and DTensors keep gloo process groups alive past `destroy_process_group`, so
+  their worker threads outlive it. A worker releases a finished collective's work object (and
+  the tensors it holds) a moment after the caller's wait() returned. If that moment falls in
+  interpreter finalisation, the decref needs the GIL, CPython ends the thread with
+  pthread_exit, the unwind crosses the work's noexcept destructor, and std::terminate aborts
+  the process: "terminate called without an active exception", SIGABRT, a failed job after a
+  finished run (seen in gdb on this machine; pytorch#179291 tried to fix it inside torch and
+  was abandoned). Leaving without finalisation gives those threads nothing to trip on.
+"""
+import atexit
+import os
+import sys
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable, NoReturn
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from config import UserError
+
+# strategy -> (mesh layout, reshard parameters after forward)
+STRATEGY_TABLE = {
+    "FULL_SHARD": ("flat", True),
+    "SHARD_GRAD_OP": ("flat", False),
+    "NO_SHARD": ("replicate", False),  # 2-D mesh (world, 1): shards of one rank = replication
+    "HYBRID_SHARD": ("hybrid", True),
+    "HYBRID_SHARD_ZERO2": ("hybrid", False),
+}
+
+
+@dataclass
+class Topology:
+    """Who this process is, computed once and passed down. Every rank is data-parallel."""
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    mesh: DeviceMesh | None  # None under DDP
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def backend_for(device_type: str, cpu_offload: bool) -> str:
+    """NCCL on GPUs, with gloo beside it when host tensors take part in collectives (offloaded
+    gradients' norm in clipping, fp16's overflow agreement); gloo alone on CPU."""
+    if device_type != "cuda":
+        return "gloo"
+    return "cuda:nccl,cpu:gloo" if cpu_offload else "nccl"
+
+
+def init_distributed(cfg) -> Topology:
+    if "RANK" not in os.environ and int(os.environ.get("SLURM_NTASKS", 1)) > 1:
+        # srun started copies of this script without torchrun: each would train alone, writing the same files
+        raise UserError(f"started as {os.environ['SLURM_NTASKS']} SLURM tasks without torchrun: start one task per "
+                        f"node that runs torchrun (the README's SLURM script)")
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = backend_for(device.type, cfg.cpu_offload)
+    if "MASTER_ADDR" in os.environ:
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                              is_master=rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True",
+                              timeout=timedelta(minutes=30))
+        # a restarted group gets fresh keys: stale peer addresses of the last attempt break gloo
+        store = dist.PrefixStore(f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}", store)
+    else:  # plain `python train_fsdp.py`: a group of one
+        store = dist.HashStore()
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timedelta(minutes=30))
+    return Topology(rank, world, local_rank, local_world, device, build_mesh(cfg, world, local_world, device))
+
+
+def build_mesh(cfg, world: int, local_world: int, device: torch.device) -> DeviceMesh | None:
+    if not cfg.fsdp:
+        return None
+    layout, _ = STRATEGY_TABLE[cfg.sharding_strategy]
+    if layout == "flat":
+        return init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
+    shard = 1 if layout == "replicate" else (cfg.fsdp_size or local_world)
+    if shard > world:
+        raise UserError(f"{cfg.sharding_strategy} with fsdp_size={shard} needs at least {shard} ranks, launched "
+                        f"{world}: launch a multiple of {shard} ranks or set --fsdp_size to a divisor of {world}")
+    if world % shard:
+        raise UserError(f"fsdp_size={shard} must divide the world size {world} for {cfg.sharding_strategy}: "
+                        f"launch a multiple of {shard} ranks or set --fsdp_size to a divisor of {world}")
+    return init_device_mesh(device.type, (world // shard, shard), mesh_dim_names=("replicate", "shard"))
+
+
+def agree(fn):
+    """Run fn on every rank; if any rank failed, every rank raises the first failure as a UserError.
+
+    Where ranks read files on their own (data, checkpoints), one rank's failure must not leave the
+    others waiting in their next collective until its timeout. An unexpected error keeps its
+    traceback on the rank that hit it and reaches the others as one line naming that rank.
+    """
+    try:
+        result, error = fn(), None
+    except UserError as e:
+        result, error = None, e
+    except Exception as e:  # noqa: BLE001 - passed on to every rank below
+        traceback.print_exc()
+        result, error = None, UserError(f"rank {dist.get_rank()}: {type(e).__name__}: {e}")
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    first = next((e for e in errors if e), None)
+    if first:
+        raise first
+    return result
+
+
+def run_entry_point(body: Callable[[], int | None]) -> NoReturn:
+    """Run `body`, then leave with its exit code: 0 (or None) finished, 2 bad input, 1 anything else.
+
+    Finished: every rank meets at a barrier (no rank closes its connections while a peer still
+    reads from them), then the group is destroyed. Failed: no collective (peers may be anywhere);
+    this process leaves at once, and its closed connections make gloo peers' collectives fail
+    (under torchrun the agent stops the others). Either way atexit handlers run while other
+    threads may still take the GIL, output is flushed, and the process ends without finalisation.
+    """
+    try:
+        code = body() or 0
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        code = 2
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:  # noqa: BLE001 - the traceback is printed; the exit code says it failed
+        traceback.print_exc()
+        code = 1
+    if code == 0 and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
