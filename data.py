@@ -1,26 +1,46 @@
-"""Datasets: preparation of a corpus into token files, and the deterministic batch loader.
+"""Datasets: corpora prepared into token files, and token files read back. No torch here, so
+tokenizing worker processes start light (loader.py turns tokens into batches).
 
-A prepared `data_path` holds `train.bin` and `val.bin` (flat token ids, uint16 when the
-vocabulary fits, else uint32) and `meta.json`. nanoGPT's raw uint16 `.bin` files without
-`meta.json` are used as they are, read with the configured tokenizer.
+    python data.py prepare DATA_PATH SOURCE [SOURCE ...] [--tokenizer cl100k_base] [--workers N]
+                   [--text_field text] [--skip_bad_lines]
+
+SOURCE: text files (one document each), .jsonl / .jsonl.gz (a `text` field per line), .parquet
+(a `text` column), folders of them, globs, or `stdlib` (the offline corpus). A prepared data_path
+holds train.bin and val.bin (token ids, uint16 when the vocabulary fits, else uint32, a
+document separator after each document; every 20th document goes to val) and meta.json.
+Read as they are: nanoGPT's raw train.bin/val.bin (uint16, no meta.json) and folders of llm.c /
+modded-nanogpt shards (*_train_*.bin, *_val_*.bin).
+
+Preparation streams: documents go to the tokenizing workers in ~1 MB chunks, a few chunks in
+flight at a time, and come back in order to be appended to temp files, renamed when complete.
+The bytes depend on the documents alone: not on the workers, chunking or source format.
 """
+import argparse
+import collections
 import fcntl
 import glob
+import gzip
 import json
+import multiprocessing
 import os
 import sys
 import sysconfig
+import time
 
 import numpy as np
-import torch
 
 from config import UserError
 
-TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".jsonl")
+DOCUMENT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".jsonl", ".jsonl.gz", ".parquet")
 STDLIB_CORPUS_BYTES = 16 << 20  # enough text for the demo, quick to tokenize
 VAL_EVERY = 20  # every 20th document goes to val.bin
+CHUNK_BYTES = 1 << 20  # text per task sent to a worker
+LLMC_MAGIC, LLMC_HEADER_INTS = 20240520, 256  # llm.c shards: 256 int32 header, then the tokens
+# llm.c header version -> (token dtype, tokenizer, vocabulary, document separator)
+LLMC_VERSIONS = {1: ("uint16", "gpt2", 50257, 50256)}
 
 
+# ---- tokenizers ----
 class ByteTokenizer:
     """Raw UTF-8 bytes; byte 0 (absent from text) separates documents."""
     name, n_vocab, eot_token = "bytes", 256, 0
@@ -49,10 +69,10 @@ def get_tokenizer(name: str):
             f"({type(e).__name__}); copy it into TIKTOKEN_CACHE_DIR, or use tokenizer: cl100k_base or bytes offline")
 
 
-def _source_files(data_source) -> list[str]:
-    sources = data_source if isinstance(data_source, list) else [data_source]
+# ---- sources and their documents ----
+def source_files(sources) -> list[str]:
     files = []
-    for source in sources:
+    for source in sources if isinstance(sources, list) else [sources]:
         if source == "stdlib":
             files += _stdlib_files()
             continue
@@ -62,11 +82,11 @@ def _source_files(data_source) -> list[str]:
         for match in matches:
             if os.path.isdir(match):
                 files += sorted(p for p in glob.glob(os.path.join(match, "**", "*"), recursive=True)
-                                if p.endswith(TEXT_SUFFIXES) and os.path.isfile(p))
+                                if p.endswith(DOCUMENT_SUFFIXES) and os.path.isfile(p))
             else:
                 files.append(match)
     if not files:
-        raise UserError(f"data_source {data_source!r} holds no text files ({', '.join(TEXT_SUFFIXES)})")
+        raise UserError(f"data_source {sources!r} holds no documents ({', '.join(DOCUMENT_SUFFIXES)})")
     return files
 
 
@@ -84,17 +104,175 @@ def _stdlib_files() -> list[str]:
     return files
 
 
-def _documents(path: str):
-    with open(path, encoding="utf-8", errors="replace") as f:
-        if not path.endswith(".jsonl"):
-            yield f.read()
+def _jsonl_chunks(path: str):
+    """(first line number, raw lines, bytes of the file consumed): workers parse the JSON."""
+    with open(path, "rb") as raw:
+        lines = gzip.GzipFile(fileobj=raw) if path.endswith(".gz") else raw
+        chunk, size, first = [], 0, 1
+        for line_no, line in enumerate(lines, 1):
+            chunk.append(line)
+            size += len(line)
+            if size >= CHUNK_BYTES:
+                yield first, chunk, raw.tell()
+                chunk, size, first = [], 0, line_no + 1
+        if chunk:
+            yield first, chunk, raw.tell()
+
+
+def _parquet_chunks(path: str, text_field: str):
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise UserError(f"{path}: reading parquet needs pyarrow: pip install pyarrow")
+    parquet = pq.ParquetFile(path)
+    if text_field not in parquet.schema_arrow.names:
+        raise UserError(f"{path}: no column '{text_field}' (columns: {', '.join(parquet.schema_arrow.names)}); "
+                        f"set --text_field")
+    size, row = os.path.getsize(path), 0
+    for group in range(parquet.num_row_groups):  # a row group at a time: memory stays bounded
+        texts = parquet.read_row_group(group, columns=[text_field]).column(0).to_pylist()
+        for start in range(0, len(texts), 1000):
+            yield row + start + 1, texts[start:start + 1000], size * (group + 1) // parquet.num_row_groups
+        row += len(texts)
+
+
+def _chunks(files: list[str], text_field: str):
+    """Tasks for the workers, in document order: (path, kind, first line/row, items, bytes done)."""
+    done = 0
+    for path in files:
+        if path.endswith((".jsonl", ".jsonl.gz")):
+            for first, lines, consumed in _jsonl_chunks(path):
+                yield path, "jsonl", first, lines, done + consumed
+        elif path.endswith(".parquet"):
+            for first, texts, consumed in _parquet_chunks(path, text_field):
+                yield path, "texts", first, texts, done + consumed
+        else:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                yield path, "texts", 1, [f.read()], done + os.path.getsize(path)
+        done += os.path.getsize(path)
+
+
+# ---- tokenizing (in worker processes, or in this one) ----
+_worker = {}
+
+
+def _init_worker(tokenizer: str, text_field: str, skip_bad: bool) -> None:
+    _worker.update(tokenizer=get_tokenizer(tokenizer), text_field=text_field, skip_bad=skip_bad)
+
+
+def _texts(path: str, kind: str, first: int, items: list):
+    """The documents of one chunk; a malformed one stops with file:line unless skipped."""
+    for i, item in enumerate(items):
+        if kind == "jsonl":
+            if not item.strip():
+                continue
+            try:
+                item = json.loads(item)[_worker["text_field"]]
+            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+                item = None
+        if isinstance(item, str):
+            yield item
+        elif not _worker["skip_bad"]:
+            what = "line" if kind == "jsonl" else "row"
+            raise UserError(f"{path}:{first + i}: {what} has no '{_worker['text_field']}' text; fix it, or pass "
+                            f"--skip_bad_lines to count and skip such {what}s")
+        else:
+            yield None
+
+
+def _tokenize(task) -> tuple[np.ndarray, list[int], int, int]:
+    """(tokens of the chunk's documents, each followed by the separator; document lengths; bad
+    documents skipped; bytes of the sources consumed)."""
+    path, kind, first, items, consumed = task
+    tokenizer, ids, lengths, skipped = _worker["tokenizer"], [], [], 0
+    for text in _texts(path, kind, first, items):
+        if text is None:
+            skipped += 1
+            continue
+        doc = tokenizer.encode_ordinary(text) + [tokenizer.eot_token]
+        ids += doc
+        lengths.append(len(doc))
+    return np.array(ids, dtype=np.uint16 if tokenizer.n_vocab <= 1 << 16 else np.uint32), lengths, skipped, consumed
+
+
+def _tokenized(files: list[str], tokenizer: str, workers: int, text_field: str, skip_bad: bool):
+    """Tokenized chunks in document order. 1 worker: in this process; more: that many processes,
+    at most two chunks each in flight (memory stays bounded however large the corpus)."""
+    init = (tokenizer, text_field, skip_bad)
+    if workers == 1:
+        _init_worker(*init)
+        yield from map(_tokenize, _chunks(files, text_field))
+        return
+    with multiprocessing.get_context("spawn").Pool(workers, _init_worker, init) as pool:
+        pending = collections.deque()
+        for task in _chunks(files, text_field):
+            pending.append(pool.apply_async(_tokenize, (task,)))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+# ---- preparation ----
+class _Progress:
+    def __init__(self, total_bytes: int):
+        self.total, self.start, self.last = total_bytes, time.perf_counter(), 0.0
+
+    def show(self, docs: int, consumed: int, tokens: int, final: bool = False) -> None:
+        now = time.perf_counter()
+        if not final and now - self.last < 5:
             return
-        for line_no, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    yield json.loads(line)["text"]
-                except (json.JSONDecodeError, KeyError, TypeError):
-                    raise UserError(f"{path}:{line_no}: each jsonl line must be an object with a 'text' field")
+        self.last, rate = now, consumed / max(now - self.start, 1e-9)
+        eta = (self.total - consumed) / rate if rate else 0
+        print(f"{docs:,} documents | {consumed / 1e6:,.1f} of {self.total / 1e6:,.1f} MB | {tokens / 1e6:,.1f}M "
+              f"tokens | {rate / 1e6:.1f} MB/s | ETA {eta:.0f}s", flush=True)
+
+
+def _prepare(data_path: str, sources, tokenizer_name: str, workers: int = 1, text_field: str = "text",
+             skip_bad: bool = False) -> None:
+    tokenizer = get_tokenizer(tokenizer_name)
+    dtype = np.dtype(np.uint16 if tokenizer.n_vocab <= 1 << 16 else np.uint32)
+    files = source_files(sources)
+    print(f"preparing {data_path} from {len(files)} files with tokenizer '{tokenizer_name}', {workers} "
+          f"worker{'s' * (workers > 1)}", flush=True)
+    tmp = {split: os.path.join(data_path, f"{split}.bin.tmp") for split in ("train", "val")}
+    counts = {"train": 0, "val": 0}
+    docs = skipped = 0
+    progress = _Progress(sum(os.path.getsize(f) for f in files))
+    with open(tmp["train"], "wb") as train, open(tmp["val"], "wb") as val:
+        for tokens, lengths, bad, consumed in _tokenized(files, tokenizer_name, workers, text_field, skip_bad):
+            start = 0
+            for length in lengths:  # the split of a document depends on its index in the corpus alone
+                split = "val" if docs % VAL_EVERY == VAL_EVERY - 1 else "train"
+                tokens[start:start + length].tofile(val if split == "val" else train)
+                counts[split] += length
+                start += length
+                docs += 1
+            skipped += bad
+            progress.show(docs, consumed, sum(counts.values()))
+        if counts["val"] == 0:  # too few documents to split by document: val is the stream's tail
+            cut = int(counts["train"] * (1 - 1 / VAL_EVERY))
+            train.flush()
+            with open(tmp["train"], "rb") as f:
+                f.seek(cut * dtype.itemsize)
+                val.write(f.read())
+            train.truncate(cut * dtype.itemsize)
+            counts = {"train": cut, "val": counts["train"] - cut}
+        for f in (train, val):
+            f.flush()
+            os.fsync(f.fileno())
+    progress.show(docs, progress.total, sum(counts.values()), final=True)
+    meta = {"tokenizer": tokenizer_name, "vocab_size": tokenizer.n_vocab, "eot_token": tokenizer.eot_token,
+            "dtype": dtype.name, "train_tokens": counts["train"], "val_tokens": counts["val"], "documents": docs,
+            "skipped": skipped, "sources": sources}
+    # meta.json first, the bins after: a folder counts as prepared only once both bins exist,
+    # and a crash part-way leaves a meta.json that stops it passing for nanoGPT's format
+    _write_atomically(os.path.join(data_path, "meta.json"), lambda f: f.write(json.dumps(meta, indent=1).encode()))
+    for split in ("train", "val"):
+        os.replace(tmp[split], os.path.join(data_path, f"{split}.bin"))
+    skipped_note = f", {skipped:,} malformed documents skipped" if skipped else ""
+    print(f"prepared {counts['train']:,} train and {counts['val']:,} val tokens of {docs:,} documents in "
+          f"{data_path}{skipped_note}", flush=True)
 
 
 def _write_atomically(path: str, write) -> None:
@@ -106,52 +284,29 @@ def _write_atomically(path: str, write) -> None:
     os.replace(tmp, path)
 
 
-def _prepare(data_path: str, data_source, tokenizer_name: str) -> None:
-    tokenizer = get_tokenizer(tokenizer_name)
-    dtype = np.uint16 if tokenizer.n_vocab <= 1 << 16 else np.uint32
-    splits = {"train": [], "val": []}
-    files = _source_files(data_source)
-    print(f"preparing {data_path} from {len(files)} files with tokenizer '{tokenizer_name}'", flush=True)
-    doc_index = 0
-    for path in files:
-        for text in _documents(path):
-            split = "val" if doc_index % VAL_EVERY == VAL_EVERY - 1 else "train"
-            splits[split].append(np.array(tokenizer.encode_ordinary(text) + [tokenizer.eot_token], dtype=dtype))
-            doc_index += 1
-    if doc_index < VAL_EVERY:  # too few documents to split by document: split the token stream
-        stream = np.concatenate(splits["train"] + splits["val"])
-        cut = int(len(stream) * (1 - 1 / VAL_EVERY))
-        splits = {"train": [stream[:cut]], "val": [stream[cut:]]}
-    tokens = {split: np.concatenate(arrays) for split, arrays in splits.items()}
-    meta = {"tokenizer": tokenizer_name, "vocab_size": tokenizer.n_vocab, "eot_token": tokenizer.eot_token,
-            "dtype": np.dtype(dtype).name, "train_tokens": int(tokens["train"].size),
-            "val_tokens": int(tokens["val"].size), "sources": data_source}
-    # meta.json first, the bins after: a folder counts as prepared only once both bins exist,
-    # and a crash part-way leaves a meta.json that stops it passing for nanoGPT's format
-    _write_atomically(os.path.join(data_path, "meta.json"), lambda f: f.write(json.dumps(meta, indent=1).encode()))
-    for split in ("train", "val"):
-        _write_atomically(os.path.join(data_path, f"{split}.bin"), lambda f: f.write(tokens[split].tobytes()))
-    print(f"prepared {meta['train_tokens']:,} train and {meta['val_tokens']:,} val tokens in {data_path}", flush=True)
-
-
 def _is_prepared(data_path: str) -> bool:
-    return all(os.path.isfile(os.path.join(data_path, f"{s}.bin")) for s in ("train", "val"))
+    return all(os.path.isfile(os.path.join(data_path, f"{s}.bin")) for s in ("train", "val")) or bool(
+        _llmc_shards(data_path, "train"))
 
 
-def prepare_data(data_path: str, data_source, tokenizer: str) -> dict:
+def prepare_data(data_path: str, sources, tokenizer: str, **options) -> dict:
     """Prepare data_path if needed and return its metadata.
 
-    Every rank of every launch may call this at once: an exclusive file lock lets the
-    first one prepare while the others wait, then find the folder prepared.
+    Every rank of every launch may call this at once: an exclusive file lock lets the first
+    one prepare while the others wait, then find the folder prepared. A preparation killed
+    part-way leaves only temp files, which the next one starts over.
     """
     if not _is_prepared(data_path):
-        if not data_source:
+        if not sources:
             raise UserError(f"no prepared data in '{data_path}' (train.bin, val.bin) and no data_source to prepare it from")
         os.makedirs(data_path, exist_ok=True)
         with open(os.path.join(data_path, ".prepare.lock"), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if not _is_prepared(data_path):
-                _prepare(data_path, data_source, tokenizer)
+                _prepare(data_path, sources, tokenizer, **options)
+    if _llmc_shards(data_path, "train"):
+        dtype, name, vocab, eot = LLMC_VERSIONS[_llmc_header(_llmc_shards(data_path, "train")[0])[0]]
+        return {"tokenizer": name, "vocab_size": vocab, "eot_token": eot, "dtype": dtype, "format": "llm.c"}
     meta_path = os.path.join(data_path, "meta.json")
     if not os.path.isfile(meta_path):  # nanoGPT's format: uint16 ids of the configured tokenizer
         return {"tokenizer": tokenizer, "vocab_size": None, "dtype": "uint16"}
@@ -163,58 +318,83 @@ def prepare_data(data_path: str, data_source, tokenizer: str) -> dict:
     return meta
 
 
-class BatchLoader:
-    """Deterministic batches: the global batch of step s depends only on (seed, s).
+# ---- token files read back ----
+def _llmc_shards(data_path: str, split: str) -> list[str]:
+    return sorted(glob.glob(os.path.join(data_path, f"*_{split}_*.bin")))
 
-    Step s draws train_batch start offsets from a generator seeded with (seed, s);
-    data-parallel rank r takes rows [r * n, (r + 1) * n) of them, n = train_batch / dp,
-    and cuts them into micro-batches. World size, micro batch and restarts change who
-    computes which row, never which rows make up the step.
-    """
 
-    def __init__(self, data_path: str, meta: dict, block_size: int, train_batch: int,
-                 micro_batch: int, dp_rank: int, dp_size: int, seed: int, device: torch.device):
-        self.block_size, self.train_batch, self.micro_batch = block_size, train_batch, micro_batch
-        self.dp_rank, self.dp_size, self.seed, self.device = dp_rank, dp_size, seed, device
-        self.splits = {}
-        for split in ("train", "val"):
-            path = os.path.join(data_path, f"{split}.bin")
-            self.splits[split] = np.memmap(path, dtype=np.dtype(meta["dtype"]), mode="r")
-            if len(self.splits[split]) <= block_size + 1:
-                raise UserError(f"{path} holds {len(self.splits[split])} tokens, fewer than block_size+1={block_size + 1}")
+def _llmc_header(path: str) -> tuple[int, int]:
+    """(version, token count) of an llm.c shard, checked against the file."""
+    header = np.fromfile(path, dtype=np.int32, count=LLMC_HEADER_INTS)
+    if len(header) < LLMC_HEADER_INTS or header[0] != LLMC_MAGIC:
+        raise UserError(f"{path} is not an llm.c token shard (its header lacks magic {LLMC_MAGIC})")
+    version, count = int(header[1]), int(header[2])
+    if version not in LLMC_VERSIONS:
+        raise UserError(f"{path}: llm.c shard version {version} is not supported (only {sorted(LLMC_VERSIONS)})")
+    expected = 4 * LLMC_HEADER_INTS + count * np.dtype(LLMC_VERSIONS[version][0]).itemsize
+    if os.path.getsize(path) != expected:
+        raise UserError(f"{path} holds {os.path.getsize(path):,} bytes, but its header says {count:,} tokens "
+                        f"({expected:,} bytes): a truncated download? fetch it again")
+    return version, count
 
-    def _rows(self, split: str, starts: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        data, T = self.splits[split], self.block_size
-        window = np.stack([data[s:s + T + 1] for s in starts]).astype(np.int64)
-        xy = torch.from_numpy(window)
-        if self.device.type == "cuda":
-            xy = xy.pin_memory().to(self.device, non_blocking=True)
-        return xy[:, :-1], xy[:, 1:]
 
-    def micro_batches(self, step: int):
-        """Yield (x, y) micro-batches of this rank's share of step `step`'s global batch."""
-        rng = np.random.default_rng([self.seed, step])
-        starts = rng.integers(0, len(self.splits["train"]) - self.block_size - 1, size=self.train_batch)
-        share = self.train_batch // self.dp_size
-        mine = starts[self.dp_rank * share:(self.dp_rank + 1) * share]
-        for i in range(0, share, self.micro_batch):
-            yield self._rows("train", mine[i:i + self.micro_batch])
+class TokenStream:
+    """Token files read as one sequence (memory-mapped): a window may span two files."""
 
-    def val_batches(self, n_windows: int):
-        """Yield (x, y, weight) over the first n_windows consecutive val windows.
+    def __init__(self, arrays: list[np.ndarray]):
+        self.arrays = arrays
+        self.offsets = np.cumsum([0] + [len(a) for a in arrays])
 
-        Windows are dealt round-robin to ranks; every rank yields the same number of
-        micro-batches (collectives inside forward must match), padding with weight 0.
-        """
-        available = (len(self.splits["val"]) - 1) // self.block_size
-        n_windows = min(n_windows, available)
-        mine = np.arange(self.dp_rank, n_windows, self.dp_size)
-        per_rank = -(-n_windows // self.dp_size)
-        n_micro = -(-per_rank // self.micro_batch)
-        for i in range(n_micro):
-            ids = mine[i * self.micro_batch:(i + 1) * self.micro_batch]
-            weight = torch.zeros(self.micro_batch)
-            weight[:len(ids)] = 1.0
-            ids = np.concatenate([ids, np.zeros(self.micro_batch - len(ids), dtype=ids.dtype)])
-            x, y = self._rows("val", ids * self.block_size)
-            yield x, y, weight.to(x.device)
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def window(self, start: int, length: int) -> np.ndarray:
+        i = int(np.searchsorted(self.offsets, start, side="right")) - 1
+        parts = []
+        while length > 0:
+            piece = self.arrays[i][start - self.offsets[i]:start - self.offsets[i] + length]
+            parts.append(piece)
+            start, length, i = start + len(piece), length - len(piece), i + 1
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def open_split(data_path: str, meta: dict, split: str) -> TokenStream:
+    if meta.get("format") == "llm.c":
+        shards = _llmc_shards(data_path, split)
+        if not shards:
+            raise UserError(f"{data_path} has llm.c train shards but no *_{split}_*.bin")
+        arrays = []
+        for path in shards:
+            version, count = _llmc_header(path)
+            arrays.append(np.memmap(path, dtype=LLMC_VERSIONS[version][0], mode="r", offset=4 * LLMC_HEADER_INTS,
+                                    shape=(count,)))
+        return TokenStream(arrays)
+    return TokenStream([np.memmap(os.path.join(data_path, f"{split}.bin"), dtype=np.dtype(meta["dtype"]), mode="r")])
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description="Prepare a corpus into token files for train_fsdp.py")
+    parser.add_argument("command", choices=["prepare"])
+    parser.add_argument("data_path")
+    parser.add_argument("sources", nargs="+", help="files, folders, globs, or 'stdlib'")
+    parser.add_argument("--tokenizer", default="cl100k_base", help="a tiktoken encoding name, or 'bytes'")
+    parser.add_argument("--workers", type=int, default=os.cpu_count(), help="tokenizing processes (default: cores)")
+    parser.add_argument("--text_field", default="text", help="the jsonl field / parquet column holding the text")
+    parser.add_argument("--skip_bad_lines", action="store_true", help="count and skip malformed documents")
+    args = parser.parse_args(argv)
+    try:
+        if args.workers < 1:
+            raise UserError(f"--workers must be 1 or more, got {args.workers}")
+        if _is_prepared(args.data_path):
+            print(f"{args.data_path} is prepared already: remove it to prepare it again")
+            return 0
+        prepare_data(args.data_path, args.sources, args.tokenizer, workers=args.workers, text_field=args.text_field,
+                     skip_bad=args.skip_bad_lines)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

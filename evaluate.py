@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from config import UserError
-from data import BatchLoader, prepare_data
+from data import prepare_data
+from loader import BatchLoader
 from ckpt_format import load_gpt
 
 

@@ -15,9 +15,10 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.nn.parallel import DistributedDataParallel
 
 from config import UserError, parse_args, to_yaml
-from data import BatchLoader, get_tokenizer, prepare_data
+from data import get_tokenizer, prepare_data
 from evaluate import val_loss_sums
 from fsdp_ckpt import CheckpointManager
+from loader import BatchLoader
 from launch import STRATEGY_TABLE, Topology, agree, init_distributed, run_entry_point
 from metrics import ProgressLog, device_peak_flops, per_rank_memory
 from model import GPT, GPTConfig
@@ -150,6 +151,29 @@ def evaluate(model, gpt: GPT, loader: BatchLoader, cfg, tokenizer) -> tuple[floa
     return (total[0] / total[1]).item(), text
 
 
+def resolve_vocabulary(cfg, meta: dict, topo: Topology):
+    """Set cfg.vocab_size from the config, the data or the tokenizer; return the tokenizer for
+    text samples, or None. Pre-tokenized data trains without the tokenizer's file (gpt2's needs a
+    download): only text samples need it, and without it they are skipped with a note."""
+    data_vocab = meta.get("vocab_size")
+    tokenizer = None
+    if cfg.sample_tokens or (data_vocab is None and cfg.vocab_size is None):
+        try:
+            tokenizer = agree(lambda: get_tokenizer(cfg.tokenizer))  # every rank decides alike
+        except UserError as e:
+            if data_vocab is None and cfg.vocab_size is None:
+                raise
+            if topo.is_main:
+                print(f"note: no text samples at eval: {e}", flush=True)
+            cfg.sample_tokens = 0
+    data_vocab = data_vocab or (tokenizer.n_vocab if tokenizer else cfg.vocab_size)
+    if cfg.vocab_size is None:
+        cfg.vocab_size = -(-data_vocab // 64) * 64  # a multiple of 64: faster matmuls
+    if cfg.vocab_size < data_vocab:
+        raise UserError(f"vocab_size={cfg.vocab_size} is smaller than the data's {data_vocab} tokens")
+    return tokenizer
+
+
 def train(cfg) -> None:
     stop_signal = StopSignal()  # first: a preemption during start-up still ends with a checkpoint
     topo = init_distributed(cfg)
@@ -161,11 +185,7 @@ def train(cfg) -> None:
     # each rank reads the data itself (node-local disks): a failure on one stops every rank
     meta = agree(lambda: prepare_data(cfg.data_path, cfg.data_source, cfg.tokenizer))
     cfg.tokenizer = meta["tokenizer"]  # what the data holds: sampling and export decode with it
-    tokenizer = agree(lambda: get_tokenizer(cfg.tokenizer))
-    if cfg.vocab_size is None:
-        cfg.vocab_size = -(-tokenizer.n_vocab // 64) * 64
-    if cfg.vocab_size < tokenizer.n_vocab:
-        raise UserError(f"vocab_size={cfg.vocab_size} is smaller than the tokenizer's {tokenizer.n_vocab} tokens")
+    tokenizer = resolve_vocabulary(cfg, meta, topo)
     gpt_cfg = GPTConfig(**cfg.model_shape, dropout=cfg.dropout)
     if topo.is_main:
         print(to_yaml(cfg), end="")

@@ -22,7 +22,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from config import parse_args  # noqa: E402
-from data import BatchLoader, prepare_data  # noqa: E402
+from data import prepare_data  # noqa: E402
+from loader import BatchLoader  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 DEMO = os.path.join(ROOT, "config", "demo_cpu.yaml")

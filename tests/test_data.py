@@ -10,6 +10,7 @@ import torch
 
 import data
 from conftest import ROOT
+from loader import BatchLoader
 from config import UserError
 
 
@@ -42,24 +43,6 @@ def test_jsonl_and_uint32_for_large_vocabularies(tmp_path):
     assert enc.decode(list(train[:4])) .startswith("line 0 of")
 
 
-def test_crash_midway_is_never_used_and_is_redone(tmp_path, monkeypatch):
-    source = write_corpus(tmp_path / "src")
-    real = data._write_atomically
-
-    def crash_on_val(path, write):
-        if path.endswith("val.bin"):
-            raise KeyboardInterrupt("killed")
-        real(path, write)
-
-    monkeypatch.setattr(data, "_write_atomically", crash_on_val)
-    with pytest.raises(KeyboardInterrupt):
-        data.prepare_data(str(tmp_path / "d"), str(source), "bytes")
-    assert not data._is_prepared(str(tmp_path / "d"))
-    monkeypatch.setattr(data, "_write_atomically", real)
-    meta = data.prepare_data(str(tmp_path / "d"), str(source), "bytes")
-    assert os.path.getsize(tmp_path / "d" / "val.bin") == 2 * meta["val_tokens"]
-
-
 def test_concurrent_preparation_prepares_once(tmp_path):
     source = write_corpus(tmp_path / "src", n_docs=400)
     code = f"import sys; sys.path.insert(0, {ROOT!r}); import data; data.prepare_data({str(tmp_path / 'd')!r}, {str(source)!r}, 'bytes')"
@@ -75,7 +58,7 @@ def test_nanogpt_raw_bins_are_used_as_they_are(tmp_path):
     np.arange(500, dtype=np.uint16).tofile(tmp_path / "d" / "val.bin")
     meta = data.prepare_data(str(tmp_path / "d"), None, "gpt2")
     assert meta == {"tokenizer": "gpt2", "vocab_size": None, "dtype": "uint16"}
-    loader = data.BatchLoader(str(tmp_path / "d"), meta, 8, 4, 2, 0, 1, 0, torch.device("cpu"))
+    loader = BatchLoader(str(tmp_path / "d"), meta, 8, 4, 2, 0, 1, 0, torch.device("cpu"))
     x, y = next(loader.micro_batches(1))
     assert torch.equal(y[:, :-1], x[:, 1:]) and torch.equal(x[:, 1] - x[:, 0], torch.ones(2, dtype=torch.long))
 
@@ -88,7 +71,7 @@ def test_missing_data_is_a_user_error(tmp_path):
 def global_batch(data_path, meta, step, dp_size, micro_batch, train_batch=8):
     rows = []
     for rank in range(dp_size):
-        loader = data.BatchLoader(data_path, meta, 16, train_batch, micro_batch, rank, dp_size, 3, torch.device("cpu"))
+        loader = BatchLoader(data_path, meta, 16, train_batch, micro_batch, rank, dp_size, 3, torch.device("cpu"))
         rows += [x for x, _ in loader.micro_batches(step)]
     return torch.cat(rows)
 
@@ -106,7 +89,7 @@ def test_val_windows_cover_the_same_tokens_for_any_world_size(tmp_path):
     for dp_size in (1, 3, 4):
         seen = []
         for rank in range(dp_size):
-            loader = data.BatchLoader(str(tmp_path / "d"), meta, 16, 8, 2, rank, dp_size, 3, torch.device("cpu"))
+            loader = BatchLoader(str(tmp_path / "d"), meta, 16, 8, 2, rank, dp_size, 3, torch.device("cpu"))
             batches = list(loader.val_batches(10))
             assert len(batches) == -(-(-(-10 // dp_size)) // 2)  # same count on every rank
             seen += [x[i] for x, _, w in batches for i in range(len(w)) if w[i] == 1]
