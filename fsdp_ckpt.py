@@ -150,9 +150,12 @@ class CheckpointManager:
             return self._resume_latest(model, optimizer)
         step = self._load(resume_from, model, optimizer)
         agree(lambda: self._refuse_newer(step) if self.topo.is_main else None)
-        if self.topo.is_main:
-            print(f"resumed from {resume_from} at step {step}", flush=True)
+        self._announce(resume_from, step)
         return step
+
+    def _announce(self, path: str, step: int) -> None:
+        if self.topo.is_main:
+            print(f"resumed from {path} at step {step}", flush=True)
 
     def _refuse_newer(self, step: int) -> None:
         """Checkpoints newer than the resumed step belong to an abandoned run: `latest` would
@@ -180,7 +183,10 @@ class CheckpointManager:
             if kind == "sharded":
                 self._check_visible(step)
             try:  # loaders raise before touching the model, on every rank alike
-                return self.resume(path, model, optimizer)
+                loaded = self._load(path, model, optimizer)
+                # the only newer sets are the damaged ones skipped above: `latest` skips them again
+                self._announce(path, loaded)
+                return loaded
             except CorruptCheckpoint as e:
                 if self.topo.is_main:
                     print(f"skipping a damaged checkpoint: {e}", flush=True)
