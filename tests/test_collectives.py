@@ -1,4 +1,5 @@
-"""Gradient accumulation reduces gradients once per optimizer step, not once per micro-batch."""
+"""What a step costs in communication: one gradient reduction per optimizer step, not per micro-batch;
+no host sync in steps that only train."""
 import json
 import os
 import sys
@@ -23,3 +24,13 @@ def test_one_gradient_reduction_per_unit_per_step(strategy, collective, corpus, 
     units = TINY["n_layer"] + 1  # each DecoderBlock, and the root
     assert sum(counts.values()) == STEPS * units, counts  # 4x that if every micro-batch reduced
     assert all(name.startswith(collective) for name in counts), counts
+
+
+def test_no_host_sync_in_steps_that_do_not_log_eval_or_save(corpus, tmp_path):
+    probe = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+             os.path.join(ROOT, "tests", "sync_probe.py")]
+    result = run_trainer(str(tmp_path), launcher=probe, max_iters=8, log_interval=4, eval_interval=4,
+                         save_interval=4, **corpus)
+    syncs = {int(step): n for step, n in json.loads(result.stdout.strip().splitlines()[-1]).items()}
+    assert all(syncs[step] > 0 for step in (4, 8)), syncs  # the counter sees the log's .item()
+    assert all(syncs[step] == 0 for step in (1, 2, 3, 5, 6, 7)), syncs
