@@ -1,5 +1,5 @@
-"""Datasets: corpora prepared into token files, and token files read back. No torch here, so
-tokenizing worker processes start light (loader.py turns tokens into batches).
+"""Datasets: corpora prepared into token files. No torch here, so tokenizing worker processes
+start light (loader.py reads the token files back and turns them into batches).
 
     python data.py prepare DATA_PATH SOURCE [SOURCE ...] [--tokenizer cl100k_base] [--workers N]
                    [--text_field text] [--skip_bad_lines]
@@ -286,7 +286,7 @@ def _write_atomically(path: str, write) -> None:
 
 def _is_prepared(data_path: str) -> bool:
     return all(os.path.isfile(os.path.join(data_path, f"{s}.bin")) for s in ("train", "val")) or bool(
-        _llmc_shards(data_path, "train"))
+        llmc_shards(data_path, "train"))
 
 
 def prepare_data(data_path: str, sources, tokenizer: str, **options) -> dict:
@@ -304,8 +304,8 @@ def prepare_data(data_path: str, sources, tokenizer: str, **options) -> dict:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if not _is_prepared(data_path):
                 _prepare(data_path, sources, tokenizer, **options)
-    if _llmc_shards(data_path, "train"):
-        dtype, name, vocab, eot = LLMC_VERSIONS[_llmc_header(_llmc_shards(data_path, "train")[0])[0]]
+    if llmc_shards(data_path, "train"):
+        dtype, name, vocab, eot = LLMC_VERSIONS[llmc_header(llmc_shards(data_path, "train")[0])[0]]
         return {"tokenizer": name, "vocab_size": vocab, "eot_token": eot, "dtype": dtype, "format": "llm.c"}
     meta_path = os.path.join(data_path, "meta.json")
     if not os.path.isfile(meta_path):  # nanoGPT's format: uint16 ids of the configured tokenizer
@@ -318,12 +318,12 @@ def prepare_data(data_path: str, sources, tokenizer: str, **options) -> dict:
     return meta
 
 
-# ---- token files read back ----
-def _llmc_shards(data_path: str, split: str) -> list[str]:
+# ---- llm.c shards, read as they are ----
+def llmc_shards(data_path: str, split: str) -> list[str]:
     return sorted(glob.glob(os.path.join(data_path, f"*_{split}_*.bin")))
 
 
-def _llmc_header(path: str) -> tuple[int, int]:
+def llmc_header(path: str) -> tuple[int, int]:
     """(version, token count) of an llm.c shard, checked against the file."""
     header = np.fromfile(path, dtype=np.int32, count=LLMC_HEADER_INTS)
     if len(header) < LLMC_HEADER_INTS or header[0] != LLMC_MAGIC:
@@ -336,40 +336,6 @@ def _llmc_header(path: str) -> tuple[int, int]:
         raise UserError(f"{path} holds {os.path.getsize(path):,} bytes, but its header says {count:,} tokens "
                         f"({expected:,} bytes): a truncated download? fetch it again")
     return version, count
-
-
-class TokenStream:
-    """Token files read as one sequence (memory-mapped): a window may span two files."""
-
-    def __init__(self, arrays: list[np.ndarray]):
-        self.arrays = arrays
-        self.offsets = np.cumsum([0] + [len(a) for a in arrays])
-
-    def __len__(self) -> int:
-        return int(self.offsets[-1])
-
-    def window(self, start: int, length: int) -> np.ndarray:
-        i = int(np.searchsorted(self.offsets, start, side="right")) - 1
-        parts = []
-        while length > 0:
-            piece = self.arrays[i][start - self.offsets[i]:start - self.offsets[i] + length]
-            parts.append(piece)
-            start, length, i = start + len(piece), length - len(piece), i + 1
-        return parts[0] if len(parts) == 1 else np.concatenate(parts)
-
-
-def open_split(data_path: str, meta: dict, split: str) -> TokenStream:
-    if meta.get("format") == "llm.c":
-        shards = _llmc_shards(data_path, split)
-        if not shards:
-            raise UserError(f"{data_path} has llm.c train shards but no *_{split}_*.bin")
-        arrays = []
-        for path in shards:
-            version, count = _llmc_header(path)
-            arrays.append(np.memmap(path, dtype=LLMC_VERSIONS[version][0], mode="r", offset=4 * LLMC_HEADER_INTS,
-                                    shape=(count,)))
-        return TokenStream(arrays)
-    return TokenStream([np.memmap(os.path.join(data_path, f"{split}.bin"), dtype=np.dtype(meta["dtype"]), mode="r")])
 
 
 def main(argv: list[str]) -> int:

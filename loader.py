@@ -1,9 +1,45 @@
-"""The deterministic batch loader: token windows from data.py's token files, as tensors on the device."""
+"""Token files read back, and the deterministic batch loader: token windows as tensors on the device."""
+import os
+
 import numpy as np
 import torch
 
 from config import UserError
-from data import open_split
+from data import LLMC_HEADER_INTS, LLMC_VERSIONS, llmc_header, llmc_shards
+
+
+class TokenStream:
+    """Token files read as one sequence (memory-mapped): a window may span two files."""
+
+    def __init__(self, arrays: list[np.ndarray]):
+        self.arrays = arrays
+        self.offsets = np.cumsum([0] + [len(a) for a in arrays])
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def window(self, start: int, length: int) -> np.ndarray:
+        i = int(np.searchsorted(self.offsets, start, side="right")) - 1
+        parts = []
+        while length > 0:
+            piece = self.arrays[i][start - self.offsets[i]:start - self.offsets[i] + length]
+            parts.append(piece)
+            start, length, i = start + len(piece), length - len(piece), i + 1
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def open_split(data_path: str, meta: dict, split: str) -> TokenStream:
+    if meta.get("format") == "llm.c":
+        shards = llmc_shards(data_path, split)
+        if not shards:
+            raise UserError(f"{data_path} has llm.c train shards but no *_{split}_*.bin")
+        arrays = []
+        for path in shards:
+            version, count = llmc_header(path)
+            arrays.append(np.memmap(path, dtype=LLMC_VERSIONS[version][0], mode="r", offset=4 * LLMC_HEADER_INTS,
+                                    shape=(count,)))
+        return TokenStream(arrays)
+    return TokenStream([np.memmap(os.path.join(data_path, f"{split}.bin"), dtype=np.dtype(meta["dtype"]), mode="r")])
 
 
 class BatchLoader:
