@@ -1,10 +1,11 @@
 """Training speed, measured side by side in one run: alternating runs, medians, ratios.
 
-    python bench/speed.py plain [--rounds 3] [--compile]  # trainer vs a plain PyTorch loop, 1 process
+    python bench/speed.py plain [--rounds 5] [--compile]  # trainer vs a plain PyTorch loop, 1 process
     python bench/speed.py scaling [--rounds 3]            # 2 and 4 ranks vs 1, each strategy and DDP
     python bench/speed.py loader                          # data loader tokens/s vs the trainer's
 
-The model: 4 layers, 256 wide, block 128, batch 16, fp32, byte tokens (the demo's data).
+The model: 4 layers, 256 wide (plain: 128 and 256, or --widths), block 128, batch 16, fp32,
+byte tokens (the demo's data).
 Each run's tokens/s is the median over intervals of WARMUP steps after the first interval
 (start-up, compilation). Threads per rank: the machine's cores divided by the ranks.
 """
@@ -27,7 +28,13 @@ from loader import BatchLoader  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 DEMO = os.path.join(ROOT, "config", "demo_cpu.yaml")
-SHAPE = dict(n_layer=4, n_head=4, n_embd=256, block_size=128)
+WIDTH = 256
+
+
+def shape(width: int = WIDTH) -> dict:
+    return dict(n_layer=4, n_head=4, n_embd=width, block_size=128)
+
+
 BATCH, WARMUP, STEPS = 16, 3, 12  # timed: steps WARMUP+1 .. WARMUP+STEPS, in intervals of WARMUP
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2", "DDP")
 
@@ -51,12 +58,13 @@ def run(cmd: list[str], nproc: int, workdir: str) -> str:
     return result.stdout
 
 
-def trainer_rate(nproc: int, workdir: str, strategy: str = "FULL_SHARD", compile: bool = False) -> float:
+def trainer_rate(nproc: int, workdir: str, strategy: str = "FULL_SHARD", compile: bool = False,
+                 width: int = WIDTH) -> float:
     """Tokens/s the trainer logs (rank 0's line: the whole global batch)."""
     launch = [sys.executable] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     mode = ["--fsdp=false"] if strategy == "DDP" else [f"--sharding_strategy={strategy}", "--fsdp_size=2"]
-    settings = SHAPE | dict(
+    settings = shape(width) | dict(
         train_batch=BATCH, micro_batch=BATCH // nproc, max_iters=WARMUP + STEPS, log_interval=WARMUP,
         eval_interval=10 ** 6, eval_iters=1, save_interval=10 ** 6, dtype="fp32", compile=compile, sample_tokens=0,
         checkpoint_dir="ckpt", tensorboard_dir="tb", data_path=demo_data())
@@ -65,21 +73,22 @@ def trainer_rate(nproc: int, workdir: str, strategy: str = "FULL_SHARD", compile
     return median_after_warmup([float(r.replace(",", "")) for r in re.findall(r"\| ([\d,]+) tok/s", out)])
 
 
-def plain_rate(workdir: str, compile: bool) -> float:
-    out = run([sys.executable, __file__, "_plain_loop"] + (["--compile"] if compile else []), 1, workdir)
+def plain_rate(workdir: str, compile: bool, width: int) -> float:
+    out = run([sys.executable, __file__, "_plain_loop", f"--widths={width}"] + (["--compile"] if compile else []),
+              1, workdir)
     return median_after_warmup([float(r) for r in out.split()])
 
 
-def plain_loop(compile: bool) -> None:
+def plain_loop(compile: bool, width: int) -> None:
     """What a user would write without this trainer: same model, batch, AdamW, clipping."""
     torch.manual_seed(0)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     data = np.memmap(os.path.join(demo_data(), "train.bin"), dtype=np.uint16, mode="r")
-    model = GPT(GPTConfig(vocab_size=256, **SHAPE)).to(device)
+    model = GPT(GPTConfig(vocab_size=256, **shape(width))).to(device)
     if compile:
         model.compile()
     optimizer = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
-    T = SHAPE["block_size"]
+    T = shape()["block_size"]
     mark = time.perf_counter()
     for step in range(1, WARMUP + STEPS + 1):
         starts = torch.randint(len(data) - T - 1, (BATCH,)).tolist()
@@ -96,15 +105,17 @@ def plain_loop(compile: bool) -> None:
             mark = now
 
 
-def bench_plain(rounds: int, compile: bool, workdir: str) -> None:
-    trainer, plain = [], []
-    for _ in range(rounds):  # alternate: drifts of a shared machine hit both sides alike
-        trainer.append(trainer_rate(1, workdir, compile=compile))
-        plain.append(plain_rate(workdir, compile))
-        print(f"  trainer {trainer[-1]:,.0f} tok/s, plain loop {plain[-1]:,.0f} tok/s", flush=True)
-    t, p = statistics.median(trainer), statistics.median(plain)
-    print(f"compile={compile}: trainer {t:,.0f} tok/s, plain loop {p:,.0f} tok/s, ratio {t / p:.3f} "
-          f"(medians of {rounds} alternating runs)")
+def bench_plain(rounds: int, compile: bool, widths: list[int], workdir: str) -> None:
+    for width in widths:
+        trainer, plain = [], []
+        for _ in range(rounds):  # alternate: drifts of a shared machine hit both sides alike
+            trainer.append(trainer_rate(1, workdir, compile=compile, width=width))
+            plain.append(plain_rate(workdir, compile, width))
+            print(f"  {width} wide: trainer {trainer[-1]:,.0f} tok/s, plain loop {plain[-1]:,.0f} tok/s", flush=True)
+        t, p = max(trainer), max(plain)
+        print(f"{width} wide, compile={compile}: best of {rounds} alternating runs: trainer {t:,.0f} tok/s, plain "
+              f"loop {p:,.0f} tok/s, ratio {t / p:.3f}; medians: ratio "
+              f"{statistics.median(trainer) / statistics.median(plain):.3f}", flush=True)
 
 
 def bench_scaling(rounds: int, workdir: str) -> None:
@@ -124,12 +135,12 @@ def bench_scaling(rounds: int, workdir: str) -> None:
 def bench_loader(workdir: str) -> None:
     path = demo_data()
     meta = prepare_data(path, None, "bytes")
-    loader = BatchLoader(path, meta, SHAPE["block_size"], BATCH, BATCH, 0, 1, 0, torch.device("cpu"))
+    loader = BatchLoader(path, meta, shape()["block_size"], BATCH, BATCH, 0, 1, 0, torch.device("cpu"))
     n_steps, start = 200, time.perf_counter()
     for step in range(1, n_steps + 1):
         for x, y in loader.micro_batches(step):
             pass
-    loader_rate = n_steps * BATCH * SHAPE["block_size"] / (time.perf_counter() - start)
+    loader_rate = n_steps * BATCH * shape()["block_size"] / (time.perf_counter() - start)
     consumed = trainer_rate(1, workdir)
     print(f"loader {loader_rate:,.0f} tok/s, trainer consumes {consumed:,.0f} tok/s: "
           f"{loader_rate / consumed:.0f}x headroom")
@@ -140,15 +151,16 @@ def main() -> None:
     parser.add_argument("what", choices=("plain", "scaling", "loader", "_plain_loop"))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--compile", action="store_true", help="plain: compile both sides")
+    parser.add_argument("--widths", type=int, nargs="+", default=[128, 256], help="plain: the models' widths")
     args = parser.parse_args()
     if args.what == "_plain_loop":
-        return plain_loop(args.compile)
+        return plain_loop(args.compile, args.widths[0])
     workdir = os.path.join(ROOT, "bench", "runs")
     os.makedirs(workdir, exist_ok=True)
     print(f"{time.strftime('%Y-%m-%d')}, torch {torch.__version__}, {os.cpu_count()} CPU cores, "
           f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU'}")
     if args.what == "plain":
-        bench_plain(args.rounds, args.compile, workdir)
+        bench_plain(args.rounds, args.compile, args.widths, workdir)
     elif args.what == "scaling":
         bench_scaling(args.rounds, workdir)
     else:

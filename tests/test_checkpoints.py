@@ -43,6 +43,19 @@ def test_resume_on_another_world_size_and_strategy(kind, nproc, strategy, two_ra
         assert got[step] == pytest.approx(expected[step], rel=1e-4), step
 
 
+def test_one_process_checkpoint_resumes_on_two_ranks(two_rank_runs, corpus, tmp_path):
+    """One process trains unwrapped; its sharded checkpoint continues under FSDP on 2 ranks."""
+    one = tmp_path / "one"
+    one.mkdir()
+    result = run_trainer(str(one), nproc=1, checkpoint_type="sharded", **(RUN | dict(max_iters=3)), **corpus)
+    assert "model not wrapped" in result.stdout
+    got = resumed_losses(tmp_path, checkpoint_of(str(one), "sharded", 3, rank=0), **corpus)
+    expected = scalars(os.path.join(two_rank_runs["sharded"], "tb"), "train/loss")
+    assert sorted(got) == [4, 5, 6]
+    for step in got:
+        assert got[step] == pytest.approx(expected[step], rel=1e-4), step
+
+
 def test_consolidated_sharded_equals_full(two_rank_runs, tmp_path):
     out = str(tmp_path / "consolidated.pth")
     subprocess.run([sys.executable, fsdp_ckpt.__file__, "consolidate",

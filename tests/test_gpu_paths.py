@@ -60,11 +60,16 @@ def test_auto_dtype_skips_emulated_bf16(monkeypatch):
     assert train_fsdp.compute_dtype(cfg, torch.device("cpu")) == torch.float32
 
 
-@pytest.mark.parametrize("fsdp, expected", [(False, torch.bfloat16), (True, torch.float32)])
-def test_ddp_computes_in_the_configured_dtype(fsdp, expected):
-    """Under DDP autocast casts the compute; under FSDP the MixedPrecisionPolicy does (no autocast)."""
-    cfg = parse_args([DEMO, "--dtype=bf16", f"--fsdp={str(fsdp).lower()}"])
-    with train_fsdp.autocast(cfg, torch.device("cpu")):
+@pytest.mark.parametrize("fsdp, world, offload, wrap, expected", [
+    (False, 2, False, "ddp", torch.bfloat16), (True, 2, False, "fsdp", torch.float32),
+    (True, 1, False, "none", torch.bfloat16), (False, 1, False, "none", torch.bfloat16),
+    (True, 1, True, "fsdp", torch.float32)])
+def test_wrapping_and_who_casts_the_compute(fsdp, world, offload, wrap, expected):
+    """One process runs the model unwrapped unless offloading; under DDP and unwrapped, autocast
+    casts the compute; under FSDP the MixedPrecisionPolicy does (no autocast)."""
+    cfg = parse_args([DEMO, "--dtype=bf16", f"--fsdp={str(fsdp).lower()}", f"--cpu_offload={str(offload).lower()}"])
+    assert train_fsdp.wrapping(cfg, world) == wrap
+    with train_fsdp.autocast(cfg, torch.device("cpu"), wrap):
         assert torch.nn.Linear(4, 4)(torch.randn(2, 4)).dtype == expected
 
 
