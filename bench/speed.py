@@ -35,7 +35,7 @@ def shape(width: int = WIDTH) -> dict:
     return dict(n_layer=4, n_head=4, n_embd=width, block_size=128)
 
 
-BATCH, WARMUP, STEPS = 16, 3, 12  # timed: steps WARMUP+1 .. WARMUP+STEPS, in intervals of WARMUP
+BATCH, WARMUP, STEPS = 16, 3, 24  # timed: steps WARMUP+1 .. WARMUP+STEPS, in intervals of WARMUP
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2", "DDP")
 
 
