@@ -31,7 +31,10 @@ def probe(argv: list[str]) -> None:
         optimizer.zero_grad(set_to_none=True)
         stepped = any(not torch.equal(b, p.detach().to_local()) for b, p in zip(before, model.parameters()))
         report.append({"stepped": stepped, "scale": scaler.get_scale()})
-    print(json.dumps({"rank": topo.rank, "steps": report}), flush=True)
+    # one write: both ranks share the pipe, and print's separate write of the newline (unbuffered,
+    # as the tests run) let the two lines interleave into one
+    sys.stdout.write(json.dumps({"rank": topo.rank, "steps": report}) + "\n")
+    sys.stdout.flush()
 
 
 run_entry_point(lambda: probe(sys.argv[1:]))
