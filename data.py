@@ -304,8 +304,8 @@ def prepare_data(data_path: str, sources, tokenizer: str, **options) -> dict:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if not _is_prepared(data_path):
                 _prepare(data_path, sources, tokenizer, **options)
-    if llmc_shards(data_path, "train"):
-        dtype, name, vocab, eot = LLMC_VERSIONS[llmc_header(llmc_shards(data_path, "train")[0])[0]]
+    if shards := llmc_shards(data_path, "train"):
+        dtype, name, vocab, eot = LLMC_VERSIONS[llmc_header(shards[0])[0]]
         return {"tokenizer": name, "vocab_size": vocab, "eot_token": eot, "dtype": dtype, "format": "llm.c"}
     meta_path = os.path.join(data_path, "meta.json")
     if not os.path.isfile(meta_path):  # nanoGPT's format: uint16 ids of the configured tokenizer

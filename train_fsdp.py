@@ -35,15 +35,6 @@ def compute_dtype(cfg, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
-def wrapping(cfg, world_size: int) -> str:
-    """"fsdp", "ddp", or "none": one process holding the whole model has nothing to shard or
-    reduce, and FSDP2's per-unit work (copies in and out of the sharded storage, DTensor
-    dispatch) cost it up to 13% of a small model's step. cpu_offload still needs FSDP."""
-    if world_size == 1 and not cfg.cpu_offload:
-        return "none"
-    return "fsdp" if cfg.fsdp else "ddp"
-
-
 def autocast(cfg, device: torch.device, wrap: str):
     """Under FSDP, MixedPrecisionPolicy casts for the compute; otherwise autocast does."""
     dtype = compute_dtype(cfg, device)
@@ -61,8 +52,7 @@ def build_model(cfg, gpt_cfg: GPTConfig, topo: Topology) -> torch.nn.Module:
         for block in model.blocks:
             block.compile()
     param_device = topo.device
-    wrap = wrapping(cfg, topo.world_size)
-    if wrap == "fsdp":
+    if topo.wrap == "fsdp":
         _, reshard = STRATEGY_TABLE[cfg.sharding_strategy]
         dtype = compute_dtype(cfg, topo.device)
         shard_args = dict(mesh=topo.mesh, mp_policy=MixedPrecisionPolicy(
@@ -83,7 +73,7 @@ def build_model(cfg, gpt_cfg: GPTConfig, topo: Topology) -> torch.nn.Module:
         torch.manual_seed(cfg.seed)
         full_state = GPT(gpt_cfg).state_dict()
     set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    if wrap == "ddp":
+    if topo.wrap == "ddp":
         model = DistributedDataParallel(model, device_ids=[topo.device.index] if topo.device.type == "cuda" else None)
     return model
 
@@ -197,7 +187,6 @@ def train(cfg) -> None:
     meta = agree(lambda: prepare_data(cfg.data_path, cfg.data_source, cfg.tokenizer))
     cfg.tokenizer = meta["tokenizer"]  # what the data holds: sampling and export decode with it
     tokenizer = resolve_vocabulary(cfg, meta, topo)
-    wrap = wrapping(cfg, world)
     gpt_cfg = GPTConfig(**cfg.model_shape, dropout=cfg.dropout)
     if topo.is_main:
         print(to_yaml(cfg), end="")
@@ -205,7 +194,7 @@ def train(cfg) -> None:
             print(f"note: config written for world_size={cfg.world_size}, launched with {world} ranks; "
                   f"train_batch={cfg.train_batch} stays global, so accumulation is now {accum_steps} micro-steps")
         print(f"{world} ranks, {cfg.sharding_strategy if cfg.fsdp else 'DDP'}, mesh {topo.mesh}, "
-              f"{'model not wrapped (one process: nothing to shard), ' if wrap == 'none' else ''}"
+              f"{'model not wrapped (one process: nothing to shard), ' if topo.wrap == 'none' else ''}"
               f"gradient accumulation {accum_steps}, compute dtype {compute_dtype(cfg, device)}", flush=True)
     model = build_model(cfg, gpt_cfg, topo)
     gpt = getattr(model, "module", model)  # the GPT under a DDP wrapper; FSDP2 keeps the module itself
@@ -234,7 +223,7 @@ def train(cfg) -> None:
         loss_sum = torch.zeros((), device=device)
         for micro_step, (x, y) in enumerate(loader.micro_batches(step)):
             set_gradient_sync(model, micro_step == accum_steps - 1)
-            with autocast(cfg, device, wrap):
+            with autocast(cfg, device, topo.wrap):
                 _, loss = model(x, y)
             scaler.scale(loss / accum_steps).backward()
             loss_sum += loss.detach()

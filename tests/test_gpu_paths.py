@@ -13,7 +13,7 @@ from torch.utils._pytree import tree_leaves
 from config import parse_args
 from conftest import DEMO, trainer_cmd
 from fsdp_ckpt import _placed, sharded_state
-from launch import backend_for
+from launch import backend_for, wrapping
 from model import GPT, GPTConfig
 
 
@@ -68,7 +68,7 @@ def test_wrapping_and_who_casts_the_compute(fsdp, world, offload, wrap, expected
     """One process runs the model unwrapped unless offloading; under DDP and unwrapped, autocast
     casts the compute; under FSDP the MixedPrecisionPolicy does (no autocast)."""
     cfg = parse_args([DEMO, "--dtype=bf16", f"--fsdp={str(fsdp).lower()}", f"--cpu_offload={str(offload).lower()}"])
-    assert train_fsdp.wrapping(cfg, world) == wrap
+    assert wrapping(cfg, world) == wrap
     with train_fsdp.autocast(cfg, torch.device("cpu"), wrap):
         assert torch.nn.Linear(4, 4)(torch.randn(2, 4)).dtype == expected
 
