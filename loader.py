@@ -61,23 +61,65 @@ class BatchLoader:
             if len(tokens) <= block_size + 1:
                 raise UserError(f"the {split} split of {data_path} holds {len(tokens)} tokens, fewer than "
                                 f"block_size+1={block_size + 1}")
+        # on GPU the next micro-batch is copied on a side stream while the current one computes;
+        # on CPU there is no copy to hide and batches are built when asked for
+        self.one_ahead = device.type == "cuda"
+        self._copy_stream = torch.cuda.Stream(device) if self.one_ahead else None
+        self._ahead = None  # ((step, micro_step), copy in flight)
+
+    def _host_rows(self, split: str, starts: np.ndarray) -> torch.Tensor:
+        tokens, T = self.splits[split], self.block_size
+        return torch.from_numpy(np.stack([tokens.window(int(s), T + 1) for s in starts]).astype(np.int64))
 
     def _rows(self, split: str, starts: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        tokens, T = self.splits[split], self.block_size
-        window = np.stack([tokens.window(int(s), T + 1) for s in starts]).astype(np.int64)
-        xy = torch.from_numpy(window)
+        xy = self._host_rows(split, starts)
         if self.device.type == "cuda":
             xy = xy.pin_memory().to(self.device, non_blocking=True)
         return xy[:, :-1], xy[:, 1:]
 
-    def micro_batches(self, step: int):
-        """Yield (x, y) micro-batches of this rank's share of step `step`'s global batch."""
+    def _my_chunks(self, step: int) -> list[np.ndarray]:
+        """This rank's share of step `step`'s start offsets, cut into micro-batches."""
         rng = np.random.default_rng([self.seed, step])
         starts = rng.integers(0, len(self.splits["train"]) - self.block_size - 1, size=self.train_batch)
         share = self.train_batch // self.dp_size
         mine = starts[self.dp_rank * share:(self.dp_rank + 1) * share]
-        for i in range(0, share, self.micro_batch):
-            yield self._rows("train", mine[i:i + self.micro_batch])
+        return [mine[i:i + self.micro_batch] for i in range(0, share, self.micro_batch)]
+
+    def micro_batches(self, step: int):
+        """Yield (x, y) micro-batches of this rank's share of step `step`'s global batch."""
+        chunks = self._my_chunks(step)
+        if not self.one_ahead:
+            for chunk in chunks:
+                yield self._rows("train", chunk)
+            return
+        # one ahead: micro-batch i+1 (after the last, the next step's first) is read and its copy
+        # started before micro-batch i is handed over, so the copy runs while i computes
+        for i, chunk in enumerate(chunks):
+            key, copy = self._ahead or (None, None)
+            if key != (step, i):  # the first step, or a jump (resume): nothing usable in flight
+                copy = self._start_copy(self._host_rows("train", chunk))
+            following = (step, i + 1) if i + 1 < len(chunks) else (step + 1, 0)
+            following_chunk = chunks[i + 1] if i + 1 < len(chunks) else self._my_chunks(step + 1)[0]
+            self._ahead = (following, self._start_copy(self._host_rows("train", following_chunk)))
+            xy = self._finish_copy(copy)
+            yield xy[:, :-1], xy[:, 1:]
+
+    def _start_copy(self, xy: torch.Tensor):
+        if self.device.type != "cuda":  # the one-ahead order, tested on CPU
+            return xy, None
+        with torch.cuda.stream(self._copy_stream):
+            xy = xy.pin_memory().to(self.device, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        return xy, done
+
+    def _finish_copy(self, copy) -> torch.Tensor:
+        xy, done = copy
+        if done is not None:
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_event(done)
+            xy.record_stream(compute)  # allocated on the copy stream, used (and freed) on this one
+        return xy
 
     def val_batches(self, n_windows: int):
         """Yield (x, y, weight) over the first n_windows consecutive val windows.

@@ -96,3 +96,21 @@ def test_val_windows_cover_the_same_tokens_for_any_world_size(tmp_path):
         val = np.memmap(tmp_path / "d" / "val.bin", dtype=np.uint16, mode="r")
         expected = [tuple(val[i * 16:i * 16 + 16].tolist()) for i in range(10)]
         assert sorted(tuple(x.tolist()) for x in seen) == sorted(expected)
+
+
+def test_one_ahead_loading_yields_the_same_batches_and_reads_each_once(tmp_path):
+    """The GPU loader's order (copy of micro-batch i+1 started before i is handed over, across
+    steps too), run on CPU: same batches as the plain loader, no micro-batch read twice except
+    after a jump in steps, where the one in flight is of no use."""
+    meta = data.prepare_data(str(tmp_path / "d"), str(write_corpus(tmp_path / "src")), "bytes")
+    plain, ahead = (BatchLoader(str(tmp_path / "d"), meta, 16, 8, 2, 1, 2, 3, torch.device("cpu")) for _ in range(2))
+    ahead.one_ahead = True
+    reads = []
+    host_rows = ahead._host_rows
+    ahead._host_rows = lambda split, starts: reads.append(tuple(starts)) or host_rows(split, starts)
+    for step in (1, 2, 3, 7, 8):
+        for (x0, y0), (x1, y1) in zip(plain.micro_batches(step), ahead.micro_batches(step), strict=True):
+            assert torch.equal(x0, x1) and torch.equal(y0, y1)
+    # 5 steps of 2 micro-batches, one read ahead at the end, one wasted by the jump from 3 to 7
+    assert len(reads) == 5 * 2 + 1 + 1
+    assert ahead._ahead[0] == (9, 0)

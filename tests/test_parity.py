@@ -54,6 +54,13 @@ def test_four_ranks_match_one_process(strategy, single_process, four_ranks):
     assert single_process["train/loss"][STEPS] < single_process["train/loss"][1]
 
 
+def test_two_ranks_match_one_process(single_process, corpus, tmp_path):
+    """The parity a 2-GPU machine can run (bench/gpu_check.sh: NCCL there, gloo here)."""
+    result = run_trainer(str(tmp_path), nproc=2, max_iters=STEPS, **corpus)
+    assert "gradient accumulation 2" in result.stdout
+    assert_parity(single_process, str(tmp_path))
+
+
 def test_standalone_evaluation_matches_the_four_rank_log(four_ranks):
     run_dir = four_ranks("FULL_SHARD")
     logged = scalars(os.path.join(run_dir, "tb"), "val/loss")[STEPS]
