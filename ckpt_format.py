@@ -2,9 +2,10 @@
 
 Full:    fsdp_cpt{step}.pth, written by rank 0: plain tensors that model.GPT loads as they are.
 Sharded: fsdp_sharded_cpt{step}_rank{r}.pth, one per rank: each parameter's and optimizer
-         moment's dim-0 slice with its global shape and offset, so any world size and
-         strategy can reassemble its own slices; fsdp_sharded_cpt{step}.complete marks the set
-         complete once every rank has written.
+         moment's dim-0 slice with its global shape and offset (a replicated slice written by
+         one replica only), so any world size and strategy can reassemble its own slices;
+         fsdp_sharded_cpt{step}.complete marks the set complete once every rank has written,
+         and indexes which file holds which rows (ckpt_index.py).
 
 Nothing here needs a process group: sample.py, export_hf.py and consolidation read sets offline.
 """
@@ -124,9 +125,18 @@ def host_copy(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu", copy=True)
 
 
-def piece_of(t: torch.Tensor) -> dict:
+def is_first_replica(t: torch.Tensor, rank: int) -> bool:
+    """Replicas (HYBRID_SHARD's replica groups, NO_SHARD, DDP) hold the same slice: the one at
+    coordinate 0 of every replicated mesh dim (for a plain tensor, rank 0) writes its rows, and
+    on resume reads them for the others."""
+    if not isinstance(t, DTensor):
+        return rank == 0
+    return all(t.device_mesh.get_local_rank(d) == 0 for d, p in enumerate(t.placements) if p.is_replicate())
+
+
+def piece_of(t: torch.Tensor, rank: int) -> dict:
     local, offset = local_slice(t)
-    return {"shape": list(t.shape), "offset": offset, "data": host_copy(local)}
+    return {"shape": list(t.shape), "offset": offset, "data": host_copy(local if is_first_replica(t, rank) else local[:0])}
 
 
 def _slices(pieces: list[dict], offset: int, rows: int) -> list[torch.Tensor]:
@@ -166,18 +176,28 @@ def complete_checkpoints(directory: str) -> list[tuple[int, str]]:
     return found
 
 
-def read_sharded(directory: str, step: int) -> list[dict]:
-    """Every rank file of a complete sharded checkpoint, memory-mapped and verified."""
+def read_marker(directory: str, step: int) -> dict:
+    """The .complete marker of a sharded set: step, world_size and (since the index) index."""
     marker = marker_path(directory, step)
     if not os.path.isfile(marker):
         raise CorruptCheckpoint(f"sharded checkpoint of step {step} in {directory}/ is incomplete "
                                 f"(no {os.path.basename(marker)}): some rank never finished writing it")
-    saved_world = read_verified(marker)["world_size"]
-    files = [load_file(shard_path(directory, step, r), mmap=True) for r in range(saved_world)]
-    for r, f in enumerate(files):
+    return read_verified(marker)
+
+
+def open_rank_files(directory: str, step: int, ranks) -> list[dict]:
+    """The given ranks' files of a sharded set, memory-mapped and verified."""
+    files = [load_file(shard_path(directory, step, r), mmap=True) for r in ranks]
+    for r, f in zip(ranks, files):
         if (f["step"], f["rank"]) != (step, r):
             raise CorruptCheckpoint(f"rank file {shard_path(directory, step, r)} holds step {f['step']} of rank "
                                     f"{f['rank']}: the set mixes files of different checkpoints")
+    return files
+
+
+def read_sharded(directory: str, step: int) -> list[dict]:
+    """Every rank file of a complete sharded checkpoint, memory-mapped and verified (offline readers)."""
+    files = open_rank_files(directory, step, range(read_marker(directory, step)["world_size"]))
     # every tensor whole across the files (views only): later reads can't fail on one rank alone
     for name, piece in files[0]["model"].items():
         _slices([f["model"][name] for f in files], 0, piece["shape"][0])

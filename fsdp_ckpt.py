@@ -19,7 +19,9 @@ from torch.utils._pytree import tree_map_only
 
 from ckpt_format import (
     FULL_OPTIONS, LOAD_OPTIONS, SHARD_RE, CorruptCheckpoint, check_model_shape, complete_checkpoints, consolidate,
-    fill_local, full_path, host_copy, load_file, marker_path, piece_of, read_sharded, save_atomically, shard_path)
+    fill_local, full_path, host_copy, is_first_replica, load_file, local_slice, marker_path, open_rank_files,
+    piece_of, read_marker, read_sharded, save_atomically, shard_path)
+from ckpt_index import build_index, check_file, check_whole, files_to_open, layout
 from config import UserError, to_dict
 from launch import agree
 
@@ -38,11 +40,11 @@ def _aliases(model) -> dict:
     return {name: first[p] for name, p in module.named_parameters(remove_duplicate=False) if first[p] != name}
 
 
-def sharded_state(model, optimizer) -> dict:
+def sharded_state(model, optimizer, rank: int) -> dict:
     """This rank's slices of the model and optimizer state, as host copies (no collectives)."""
     names = _parameter_names(model)
-    return {"model": {name: piece_of(p) for p, name in names.items()},
-            "optimizer": {names[p]: {k: piece_of(v) if v.dim() else host_copy(v) for k, v in s.items()}
+    return {"model": {name: piece_of(p, rank) for p, name in names.items()},
+            "optimizer": {names[p]: {k: piece_of(v, rank) if v.dim() else host_copy(v) for k, v in s.items()}
                           for p, s in optimizer.state.items()},
             # what consolidation needs to write the full format: tied names, hyperparameters
             "aliases": _aliases(model),
@@ -93,10 +95,12 @@ class CheckpointManager:
                 state = tree_map_only(torch.Tensor, torch.clone, state)
             writes = [(self._header(step) | state, path)] if self.topo.is_main else []
         else:
-            state = sharded_state(model, optimizer) | {"rank": self.topo.rank, "world_size": self.topo.world_size}
+            state = sharded_state(model, optimizer, self.topo.rank) | {
+                "rank": self.topo.rank, "world_size": self.topo.world_size}
             path, marker = shard_path(self.dir, step, self.topo.rank), marker_path(self.dir, step)
             writes = [(self._header(step) | state, path)]
-        self._pending = {"step": step, "path": path, "marker": marker, "error": None}
+        self._pending = {"step": step, "path": path, "marker": marker, "error": None,
+                         "layout": layout(state) if marker else None}
         if self.cfg.async_save:
             self._pending["thread"] = threading.Thread(target=_write, args=(writes, self._pending), daemon=True)
             self._pending["thread"].start()
@@ -116,9 +120,12 @@ class CheckpointManager:
                 raise UserError(f"writing checkpoint {pending['path']} failed: {pending['error']}")
         agree(check)  # a failed write on any rank stops every rank, none left in a barrier
         if pending["marker"]:
-            dist.barrier()  # every rank's file is renamed into place before the marker says so
+            # after agree(): every rank's file is renamed into place before the marker says so
+            layouts = [None] * self.topo.world_size if self.topo.is_main else None
+            dist.gather_object(pending["layout"], layouts, dst=0)
             if self.topo.is_main:
-                save_atomically({"step": pending["step"], "world_size": self.topo.world_size}, pending["marker"])
+                save_atomically({"step": pending["step"], "world_size": self.topo.world_size,
+                                 "index": build_index(layouts)}, pending["marker"])
         self.last_saved = pending["path"]
         if self.topo.is_main:
             print(f"saved checkpoint {pending['marker'] or pending['path']}", flush=True)
@@ -212,28 +219,70 @@ class CheckpointManager:
         return step[0]
 
     def _load_sharded(self, directory: str, step: int, model, optimizer) -> int:
-        def read():
-            files = read_sharded(directory, step)
-            check_model_shape(shard_path(directory, step, 0), files[0]["model_config"], self.cfg)
-            return files
-        files = agree(read)
         names = _parameter_names(model)
-        for p, name in names.items():
-            fill_local(p, [f["model"][name] for f in files])
+        # rank 0 reads the marker once for every rank, and checks from its index that the set is whole
+        marker = [agree(lambda: self._read_marker(directory, step) if self.topo.is_main else None)]
+        dist.broadcast_object_list(marker, src=0)
+        # the first replica of each slice reads it; the other replicas receive it (below)
+        reads = is_first_replica(next(iter(names)), self.topo.rank)
+        files = agree(lambda: self._open_needed(directory, marker[0], names) if reads else [])
+        # which parameters have optimizer state, its keys and scalars (`step`): rank 0 reads, tells all
+        skeleton = [{name: {key: None if isinstance(value, dict) else value for key, value in saved.items()}
+                     for name, saved in files[0]["optimizer"].items()} if self.topo.is_main else None]
+        dist.broadcast_object_list(skeleton, src=0)
         group_of = {p: group for group in optimizer.param_groups for p in group["params"]}
         for p, name in names.items():
-            saved = files[0]["optimizer"].get(name)
-            if saved is None:
-                continue
+            if files:
+                fill_local(p, [f["model"][name] for f in files])
             state = {}
-            for key, value in saved.items():
-                if isinstance(value, dict):
+            for key, value in skeleton[0].get(name, {}).items():
+                if value is None:
                     state[key] = torch.zeros_like(p)
-                    fill_local(state[key], [f["optimizer"][name][key] for f in files])
+                    if files:
+                        fill_local(state[key], [f["optimizer"][name][key] for f in files])
                 else:
                     state[key] = _placed(value, key, p, group_of[p])
-            optimizer.state[p] = state
+            if state:
+                optimizer.state[p] = state
+        self._send_to_replicas(names, optimizer)
         return step
+
+    def _send_to_replicas(self, names: dict, optimizer) -> None:
+        """Each replica group's first member sends the slices it read to the others, in one
+        order on every rank: parameters in model order, each followed by its optimizer tensors."""
+        if self.topo.wrap == "ddp":
+            group = dist.group.WORLD
+        elif self.topo.wrap == "fsdp" and "replicate" in (self.topo.mesh.mesh_dim_names or ()):
+            group = self.topo.mesh.get_group("replicate")
+        else:
+            return  # nothing replicated: every rank read its own slices
+        for p in names:
+            for t in [p] + [v for v in optimizer.state.get(p, {}).values() if v.dim()]:
+                dist.broadcast(local_slice(t)[0], group=group, group_src=0)
+
+    @staticmethod
+    def _read_marker(directory: str, step: int) -> dict:
+        marker = read_marker(directory, step)
+        if "index" in marker:
+            check_whole(marker["index"], marker_path(directory, step))
+        return marker
+
+    def _open_needed(self, directory: str, marker: dict, names: dict) -> list[dict]:
+        """The rank files holding this rank's slices (all of them for a set without an index)."""
+        step, index = marker["step"], marker.get("index")
+        if index is None:
+            files = read_sharded(directory, step)
+        else:
+            slices = {name: local_slice(p) for p, name in names.items()}
+            wanted = {key: (slices[name][1], slices[name][0].shape[0]) for key in index
+                      if (name := key.split("/")[1]) in slices}
+            # a rank holding no rows at all (more ranks than rows) still reads one file's header
+            ranks = files_to_open(index, wanted, self.topo.rank) or [0]
+            files = open_rank_files(directory, step, ranks)
+            for r, f in zip(ranks, files):
+                check_file(index, f, r, shard_path(directory, step, r))
+        check_model_shape(shard_path(directory, step, files[0]["rank"]), files[0]["model_config"], self.cfg)
+        return files
 
 
 def main(argv: list[str]) -> int:

@@ -147,7 +147,7 @@ def run_entry_point(body: Callable[[], int | None]) -> NoReturn:
     try:
         code = body() or 0
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.stderr.write(f"error: {e}\n")  # one write: several ranks share the stream
         code = 2
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)

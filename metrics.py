@@ -40,8 +40,16 @@ def device_peak_flops(device: torch.device) -> float | None:
 
 
 def host_peak_gb() -> float:
-    """Peak resident set size of this process (with cpu_offload, where the state lives)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # Linux reports KiB
+    """Peak resident set size of this process (with cpu_offload, where the state lives).
+
+    VmHWM, not getrusage's ru_maxrss: Linux carries ru_maxrss across fork and exec, so a rank
+    started by a large parent (torchrun's agent, a notebook, pytest) reported at least the
+    parent's size."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1e6  # kB
+    except OSError:  # no /proc (macOS): ru_maxrss, in bytes there
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e9
 
 
 def device_memory_gb(device: torch.device) -> tuple[float, float]:
@@ -55,7 +63,8 @@ def device_memory_gb(device: torch.device) -> tuple[float, float]:
 
 
 def state_gb(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> float:
-    """This rank's parameters, gradients and optimizer state (its shards under FSDP)."""
+    """This rank's parameters, gradients (when held) and optimizer state (its shards under FSDP).
+    At log time the step's gradients are already freed: the figure is parameters + optimizer state."""
     params = list(model.parameters())
     tensors = params + [p.grad for p in params if p.grad is not None] + [
         v for state in optimizer.state.values() for v in state.values() if v.dim()]
@@ -143,5 +152,5 @@ class ProgressLog:
         memory = memory if self.run_peak is None else torch.maximum(self.run_peak, memory)
         columns = {name: " ".join(f"{gb:.3f}" for gb in column) for name, column in zip(MEMORY_COLUMNS, memory.t().tolist())}
         extra = "".join(f" | {name} {columns[name]}" for name in ("reserved", "host") if columns[name] != columns["peak"])
-        print(f"memory per rank, GB: peak {columns['peak']} | parameters, gradients, optimizer state "
+        print(f"memory per rank, GB: peak {columns['peak']} | parameters + optimizer state "
               f"{columns['state']}{extra}", flush=True)

@@ -42,7 +42,7 @@ def largest_rank(nproc: int, args: list[str], workdir: str) -> tuple[float, floa
     result = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=1200)
     if result.returncode:
         sys.exit(f"failed: {' '.join(cmd)}\n{result.stderr[-2000:]}")
-    peaks, states = re.search(r"memory per rank, GB: peak ([\d. ]+) \| parameters, gradients, optimizer state "
+    peaks, states = re.search(r"memory per rank, GB: peak ([\d. ]+) \| parameters + optimizer state "
                               r"([\d. ]+)", result.stdout).groups()
     return max(map(float, peaks.split())), max(map(float, states.split()))
 
@@ -52,7 +52,7 @@ def main(overrides: list[str]) -> None:
     os.makedirs(workdir, exist_ok=True)
     sizes = (1, 2, 4)
     baseline = {n: largest_rank(n, TINY + ["--sharding_strategy=FULL_SHARD"], workdir)[0] for n in sizes}
-    print("largest rank's peak above a tiny model's, GB (state: parameters + gradients + optimizer state)")
+    print("largest rank's peak above a tiny model's, GB (state: parameters + optimizer state)")
     print("| strategy | " + " | ".join(f"{n} rank{'s' * (n > 1)}" for n in sizes) + " |")
     print("| --- |" + " --- |" * len(sizes))
     for row, args in ROWS.items():

@@ -1,7 +1,9 @@
 """Checkpoints: bitwise resume, resharding across world sizes and strategies, consolidation,
 damaged files, preemption and killed workers."""
+import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,8 +14,12 @@ import torch
 
 import ckpt_format
 import fsdp_ckpt
-from config import UserError
+from ckpt_format import save_atomically
+from config import TrainConfig, UserError
 from conftest import DEMO, ROOT, RUN, TINY, checkpoint_of, overrides, run_trainer, scalars, trainer_cmd
+
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+from scale_plan import Plan  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -229,3 +235,65 @@ def test_an_unexpected_error_on_one_rank_stops_every_rank_at_once(corpus, tmp_pa
     assert "KeyError: \"injected: a rank's own failure\"" in result.stderr
     assert "Connection closed by peer" in result.stderr  # rank 0 left its collective
     assert not os.path.exists(tmp_path / "ckpt" / "fsdp_cpt8.pth")
+
+
+def opened_rank_files(run_dir, nproc, **settings) -> list[list[int]]:
+    """Resume under tests/open_probe.py in a new run_dir: the saved ranks whose files each rank opened."""
+    run_dir.mkdir()
+    probe = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+             os.path.join(ROOT, "tests", "open_probe.py")]
+    result = run_trainer(str(run_dir), launcher=probe, **settings)
+    assert "resumed from" in result.stdout
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_each_rank_opens_only_the_rank_files_it_needs(corpus, tmp_path):
+    """8 ranks save a sharded set; resumed on 8 ranks each opens its own file, on 4 the two
+    that hold its rows (every tensor's rows divide evenly here)."""
+    settings = dict(train_batch=16, max_iters=2, save_interval=2, checkpoint_type="sharded") | corpus
+    run_trainer(str(tmp_path), nproc=8, **settings)
+    resume = settings | dict(max_iters=3, resume_from=str(tmp_path / "ckpt" / "fsdp_sharded_cpt2_rank0.pth"),
+                             save_interval=1000)
+    assert opened_rank_files(tmp_path / "on8", 8, **resume) == [[r] for r in range(8)]
+    assert opened_rank_files(tmp_path / "on4", 4, **resume) == [[2 * r, 2 * r + 1] for r in range(4)]
+
+
+@pytest.mark.parametrize("strategy", ["HYBRID_SHARD", "NO_SHARD", "DDP"])
+def test_replicas_write_their_rows_once(strategy, corpus, tmp_path):
+    """Replicated slices are written and read by one replica: the set holds each row once, the
+    other replicas receive their slices on resume; the losses continue as the uninterrupted run."""
+    mode = dict(fsdp=False) if strategy == "DDP" else dict(sharding_strategy=strategy, fsdp_size=2)
+    settings = RUN | dict(checkpoint_type="sharded") | mode | corpus
+    (tmp_path / "whole").mkdir()
+    run_trainer(str(tmp_path / "whole"), nproc=4, **settings)
+    directory = tmp_path / "whole" / "ckpt"
+    files = [torch.load(ckpt_format.shard_path(str(directory), 3, r), weights_only=True) for r in range(4)]
+    for name, piece in files[0]["model"].items():
+        assert sum(f["model"][name]["data"].shape[0] for f in files) == piece["shape"][0], name
+    # the index bench/scale_plan.py plans for this layout is the one written
+    plan = Plan(TrainConfig(**files[0]["config"]), gpus=4, shard=2 if strategy == "HYBRID_SHARD" else 1)
+    index, planned = ckpt_format.read_marker(str(directory), 3)["index"], plan.index()
+    assert sorted(index) == sorted(planned) and all(torch.equal(index[k][1], planned[k][1]) for k in index)
+    opened = opened_rank_files(tmp_path / "resumed", 4, **settings,
+                               resume_from=ckpt_format.shard_path(str(directory), 3, 0))
+    # the first replica of each slice reads it and sends it to the other replicas
+    assert opened == ([[0], [1], [], []] if strategy == "HYBRID_SHARD" else [[0], [], [], []]), opened
+    expected = scalars(str(tmp_path / "whole" / "tb"), "train/loss")
+    got = scalars(str(tmp_path / "resumed" / "tb"), "train/loss")
+    assert sorted(got) == [4, 5, 6] and all(got[s] == expected[s] for s in got), (got, expected)
+
+
+def test_sets_without_an_index_still_load(two_rank_runs, corpus, tmp_path):
+    """A set written before the index: every rank opens every file, and the resume is bitwise."""
+    source = os.path.join(two_rank_runs["sharded"], "ckpt")
+    directory = tmp_path / "old"
+    directory.mkdir()
+    for r in range(2):
+        shutil.copy(ckpt_format.shard_path(source, 3, r), directory)
+    save_atomically({"step": 3, "world_size": 2}, ckpt_format.marker_path(str(directory), 3))
+    opened = opened_rank_files(tmp_path / "resumed", 2, **RUN, **corpus,
+                               resume_from=ckpt_format.shard_path(str(directory), 3, 0))
+    assert opened == [[0, 1], [0, 1]]
+    expected = scalars(os.path.join(two_rank_runs["sharded"], "tb"), "train/loss")
+    got = scalars(str(tmp_path / "resumed" / "tb"), "train/loss")
+    assert sorted(got) == [4, 5, 6] and all(got[s] == expected[s] for s in got)

@@ -1,0 +1,166 @@
+"""What a config costs on a cluster, computed from the model's shapes (no GPU, no process group).
+
+    python bench/scale_plan.py CONFIG [--key=value ...] --gpus N --gpus_per_node G [--bandwidth GB/s]
+
+Per rank, under FULL_SHARD (one shard group of all ranks) and HYBRID_SHARD (shard groups of
+fsdp_size, default one node, replicated across them): parameters, gradients and AdamW state;
+the bytes each rank sends per optimizer step (all-gathers, reduce-scatters, and HYBRID's
+all-reduce across replicas); the sharded checkpoint's size, the time to write and to read it at
+the filesystem's aggregate bandwidth (replica groups past the first receive their slices over
+the network instead), the rank files each rank opens on resume and the index's size. Ring collectives: a rank sends (n-1)/n of the gathered or reduced bytes, an all-reduce
+twice that. The rank with the most rows is shown (rank 0: FSDP2 splits dim 0 like torch.chunk).
+"""
+import argparse
+import io
+import os
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from ckpt_index import build_index, files_to_open  # noqa: E402
+from config import UserError, parse_args  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
+
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "auto": 2}  # auto: bf16 on the GPUs this plans for
+ADAMW_MOMENTS = 2
+GB = 1e9
+
+
+def units(cfg) -> list[list[tuple[str, torch.Size]]]:
+    """The FSDP units' (name, shape) lists: each DecoderBlock, then the root (embeddings, final norm)."""
+    with torch.device("meta"):
+        model = GPT(GPTConfig(**cfg.model_shape))
+    blocks = [[(f"blocks.{i}.{n}", p.shape) for n, p in block.named_parameters()] for i, block in enumerate(model.blocks)]
+    in_blocks = {name for unit in blocks for name, _ in unit}
+    return blocks + [[(n, p.shape) for n, p in model.named_parameters() if n not in in_blocks]]
+
+
+def held_rows(rows: int, shards: int, index: int) -> tuple[int, int]:
+    """(offset, rows) of shard `index` of `shards`: FSDP2's dim-0 split."""
+    chunk = -(-rows // shards)
+    start, end = min(index * chunk, rows), min((index + 1) * chunk, rows)
+    return start, end - start
+
+
+def row_numel(shape: torch.Size) -> int:
+    return shape[1:].numel()
+
+
+class Plan:
+    def __init__(self, cfg, gpus: int, shard: int):
+        self.cfg, self.gpus, self.shard, self.replicas = cfg, gpus, shard, gpus // shard
+        self.units = units(cfg)
+        self.params = [p for unit in self.units for p in unit]
+        self.numel = sum(shape.numel() for _, shape in self.params)
+        self.micro_steps = cfg.train_batch // (cfg.micro_batch * gpus)
+
+    def state_bytes(self, rank: int) -> dict:
+        """fp32 parameters, gradients and AdamW moments held by `rank` (shard index rank % shard)."""
+        local = sum(held_rows(shape[0], self.shard, rank % self.shard)[1] * row_numel(shape) for _, shape in self.params)
+        return {"parameters": 4 * local, "gradients": 4 * local, "optimizer": 4 * ADAMW_MOMENTS * local}
+
+    def sent_bytes(self, reshard: bool) -> dict:
+        """Bytes one rank sends per optimizer step: all-gathers in the compute dtype each micro-step
+        (again in backward for units resharded after forward: all blocks but the last, never the
+        root), one reduce-scatter in the reduce dtype, HYBRID's all-reduce of the shards."""
+        cfg, n = self.cfg, self.shard
+        unit_numel = [sum(shape.numel() for _, shape in unit) for unit in self.units]
+        regathered = sum(unit_numel[:len(unit_numel) - 2]) if reshard else 0  # root last, last block before it
+        gathers = self.micro_steps * (self.numel + regathered) * BYTES[cfg.dtype]
+        reduced = self.numel * BYTES[cfg.reduce_dtype]
+        r = self.replicas
+        return {"all-gather": gathers * (n - 1) / n, "reduce-scatter": reduced * (n - 1) / n,
+                "all-reduce": 2 * (r - 1) / r * reduced / n}
+
+    def index(self) -> dict:
+        """The sharded checkpoint's index as ckpt_index builds it: replica group 0 writes the rows."""
+        layouts = []
+        for rank in range(self.gpus):
+            layout = {}
+            for name, shape in self.params:
+                offset, rows = held_rows(shape[0], self.shard, rank % self.shard)
+                rows = rows if rank < self.shard else 0
+                layout[f"model/{name}"] = (shape[0], offset, rows)
+                for moment in ("exp_avg", "exp_avg_sq"):
+                    layout[f"optimizer/{name}/{moment}"] = (shape[0], offset, rows)
+            layouts.append(layout)
+        return build_index(layouts)
+
+    def files_opened(self, index: dict, rank: int) -> int:
+        """Rank files `rank` opens on resume: replicas past the first receive their slices instead."""
+        if rank >= self.shard:
+            return 0
+        wanted = {}
+        for name, shape in self.params:
+            offset, rows = held_rows(shape[0], self.shard, rank % self.shard)
+            wanted |= {key: (offset, rows) for key in (f"model/{name}", f"optimizer/{name}/exp_avg",
+                                                       f"optimizer/{name}/exp_avg_sq")}
+        return len(files_to_open(index, wanted, rank))
+
+
+def column(plan: Plan, bandwidth: float) -> dict:
+    """One strategy's figures, by row label."""
+    state, sent = plan.state_bytes(0), plan.sent_bytes(reshard=True)
+    size = plan.numel * 4 * (1 + ADAMW_MOMENTS)
+    index = plan.index()
+    readers = {0, plan.shard - 1}  # the first replica group's ends: the others open no file
+    return {
+        "shard group x replicas": f"{plan.shard} x {plan.replicas}",
+        "parameters GB per rank (fp32)": f"{state['parameters'] / GB:.3f}",
+        "gradients GB per rank (fp32)": f"{state['gradients'] / GB:.3f}",
+        "AdamW moments GB per rank (fp32)": f"{state['optimizer'] / GB:.3f}",
+        "all-gather GB sent per rank per step": f"{sent['all-gather'] / GB:.3f}",
+        "reduce-scatter GB sent per rank per step": f"{sent['reduce-scatter'] / GB:.3f}",
+        "all-reduce GB sent per rank per step": f"{sent['all-reduce'] / GB:.3f}",
+        "sharded checkpoint GB (each row once)": f"{size / GB:.2f}",
+        f"write s at {bandwidth:g} GB/s": f"{size / GB / bandwidth:.1f}",
+        f"resume: read s at {bandwidth:g} GB/s (each row once)": f"{size / GB / bandwidth:.1f}",
+        "resume: GB a first replica broadcasts": f"{size / plan.shard / GB if plan.replicas > 1 else 0:.3f}",
+        "rank files a rank opens on resume": str(max(plan.files_opened(index, r) for r in readers)),
+        "index in the .complete marker, MB": f"{marker_bytes(index) / 1e6:.2f}",
+    }
+
+
+def report(cfg, gpus: int, gpus_per_node: int, bandwidth: float) -> list[tuple[str, ...]]:
+    plans = {"FULL_SHARD": Plan(cfg, gpus, gpus), "HYBRID_SHARD": Plan(cfg, gpus, cfg.fsdp_size or gpus_per_node)}
+    columns = {name: column(plan, bandwidth) for name, plan in plans.items()}
+    labels = columns["FULL_SHARD"]
+    return [("", *plans), ("---",) * (1 + len(plans))] + [(label, *(c[label] for c in columns.values())) for label in labels]
+
+
+def marker_bytes(index: dict) -> int:
+    buffer = io.BytesIO()
+    torch.save({"index": index}, buffer)
+    return buffer.tell()
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gpus", type=int, required=True)
+    parser.add_argument("--gpus_per_node", type=int, default=8)
+    parser.add_argument("--bandwidth", type=float, default=10.0, help="filesystem aggregate GB/s")
+    args, rest = parser.parse_known_args(argv)
+    try:
+        cfg = parse_args(rest)
+        if cfg.train_batch % (cfg.micro_batch * args.gpus):
+            raise UserError(f"train_batch={cfg.train_batch} must be a multiple of micro_batch={cfg.micro_batch} x "
+                            f"{args.gpus} GPUs: set --train_batch")
+        rows = report(cfg, args.gpus, args.gpus_per_node, args.bandwidth)
+    except UserError as e:
+        sys.stderr.write(f"error: {e}\n")
+        return 2
+    plan = Plan(cfg, args.gpus, args.gpus)
+    print(f"{plan.numel:,} parameters stored (position embeddings included), {args.gpus} GPUs ({args.gpus_per_node} per node), "
+          f"{plan.micro_steps} micro-steps of {cfg.micro_batch} x {cfg.block_size} tokens per rank per step, "
+          f"compute {cfg.dtype if cfg.dtype != 'auto' else 'bf16'}, reduce {cfg.reduce_dtype}")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+    full = plan.numel * 4 * (1 + ADAMW_MOMENTS)
+    print(f"full checkpoint: {full / GB:.2f} GB gathered into rank 0's host memory and written by rank 0 alone")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,50 @@
+"""bench/scale_plan.py's figures against what real runs hold: the per-rank state the trainer
+logs, the checkpoint's bytes, and the index the checkpoint manager wrote."""
+import os
+import sys
+
+import pytest
+import torch
+
+import ckpt_format
+from config import TrainConfig
+from conftest import ROOT, checkpoint_of, scalars
+
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+from scale_plan import Plan, main  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+def saved_config(shard_file: str) -> TrainConfig:
+    return TrainConfig(**torch.load(shard_file, weights_only=True)["config"])
+
+
+def test_plan_matches_a_two_rank_run(two_rank_runs):
+    run_dir = two_rank_runs["sharded"]  # 2 ranks, FULL_SHARD
+    directory = os.path.join(run_dir, "ckpt")
+    plan = Plan(saved_config(checkpoint_of(run_dir, "sharded", 6, rank=0)), gpus=2, shard=2)
+    for rank in range(2):
+        logged = scalars(os.path.join(run_dir, "tb"), f"mem/rank{rank}/state_gb")[6]
+        planned = plan.state_bytes(rank)
+        # logged after the step, its gradients freed: parameters and AdamW moments
+        assert logged == pytest.approx((planned["parameters"] + planned["optimizer"]) / 1e9, rel=1e-6), rank
+    files = ckpt_format.read_sharded(directory, 6)
+    written = sum(piece["data"].nbytes for f in files for piece in f["model"].values())
+    written += sum(v["data"].nbytes for f in files for saved in f["optimizer"].values() for v in saved.values()
+                   if isinstance(v, dict))
+    assert written == plan.numel * 4 * 3
+    index = ckpt_format.read_marker(directory, 6)["index"]
+    planned = plan.index()
+    assert sorted(index) == sorted(planned)
+    assert all(index[key][0] == planned[key][0] and torch.equal(index[key][1], planned[key][1]) for key in index)
+
+
+def test_plan_prints_a_table_and_refuses_a_batch_that_does_not_split(capsys):
+    config = os.path.join(ROOT, "config", "train300M_fsdp.yaml")
+    assert main([config, "--gpus", "64", "--gpus_per_node", "8", "--train_batch=1024"]) == 0
+    out = capsys.readouterr().out
+    assert "| shard group x replicas | 64 x 1 | 8 x 8 |" in out
+    assert "| rank files a rank opens on resume | 1 | 1 |" in out
+    assert main([config, "--gpus", "128"]) == 2
+    assert "error: train_batch=512 must be a multiple of micro_batch=8 x 128 GPUs" in capsys.readouterr().err
