@@ -5,6 +5,7 @@ Validated once, here; everything downstream reads typed attributes.
 import dataclasses
 import difflib
 import os
+import sys
 import typing
 from dataclasses import dataclass
 
@@ -13,6 +14,16 @@ import yaml
 
 class UserError(Exception):
     """Bad input from the user: reported as one line and a non-zero exit, never a traceback."""
+
+
+def exit_code(body: typing.Callable[[], int | None]) -> int:
+    """A command's exit code: what body returns (None: 0), or 2 after one `error:` line when it
+    raises UserError. One write: the ranks of a run may share the stream."""
+    try:
+        return body() or 0
+    except UserError as e:
+        sys.stderr.write(f"error: {e}\n")
+        return 2
 
 
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")

@@ -29,7 +29,7 @@ import time
 
 import numpy as np
 
-from config import UserError
+from config import UserError, exit_code
 
 DOCUMENT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".jsonl", ".jsonl.gz", ".parquet")
 STDLIB_CORPUS_BYTES = 16 << 20  # enough text for the demo, quick to tokenize
@@ -348,19 +348,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--text_field", default="text", help="the jsonl field / parquet column holding the text")
     parser.add_argument("--skip_bad_lines", action="store_true", help="count and skip malformed documents")
     args = parser.parse_args(argv)
-    try:
-        if args.workers < 1:
-            raise UserError(f"--workers must be 1 or more, got {args.workers}")
-        if _is_prepared(args.data_path):
-            print(f"{args.data_path} is prepared already: remove it to prepare it again")
-            return 0
-        prepare_data(args.data_path, args.sources, args.tokenizer, workers=args.workers, text_field=args.text_field,
-                     skip_bad=args.skip_bad_lines)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    if args.workers < 1:
+        raise UserError(f"--workers must be 1 or more, got {args.workers}")
+    if _is_prepared(args.data_path):
+        print(f"{args.data_path} is prepared already: remove it to prepare it again")
+        return 0
+    prepare_data(args.data_path, args.sources, args.tokenizer, workers=args.workers, text_field=args.text_field,
+                 skip_bad=args.skip_bad_lines)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(exit_code(lambda: main(sys.argv[1:])))

@@ -13,7 +13,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from config import UserError
+from config import UserError, exit_code
 from data import prepare_data
 from loader import BatchLoader
 from ckpt_format import load_gpt
@@ -38,20 +38,16 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--micro_batch", type=int, help="sequences per forward (default: the run's)")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        model, ckpt = load_gpt(args.checkpoint, device)
-        run = ckpt["config"]
-        data_path = args.data_path or run["data_path"]
-        meta = prepare_data(data_path, None, run["tokenizer"])
-        if meta["tokenizer"] != run["tokenizer"]:
-            raise UserError(f"the dataset was tokenized with '{meta['tokenizer']}', the model trained on "
-                            f"'{run['tokenizer']}': evaluate on data prepared with '{run['tokenizer']}'")
-        micro_batch = args.micro_batch or run["micro_batch"]
-        loader = BatchLoader(data_path, meta, model.config.block_size,
-                             micro_batch, micro_batch, 0, 1, run["seed"], device)  # one rank, val windows only
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    model, ckpt = load_gpt(args.checkpoint, device)
+    run = ckpt["config"]
+    data_path = args.data_path or run["data_path"]
+    meta = prepare_data(data_path, None, run["tokenizer"])
+    if meta["tokenizer"] != run["tokenizer"]:
+        raise UserError(f"the dataset was tokenized with '{meta['tokenizer']}', the model trained on "
+                        f"'{run['tokenizer']}': evaluate on data prepared with '{run['tokenizer']}'")
+    micro_batch = args.micro_batch or run["micro_batch"]
+    loader = BatchLoader(data_path, meta, model.config.block_size,
+                         micro_batch, micro_batch, 0, 1, run["seed"], device)  # one rank, val windows only
     n_windows = (args.eval_iters or run["eval_iters"]) * run["train_batch"]
     loss_sum, windows = val_loss_sums(model, loader, n_windows).tolist()
     loss = loss_sum / windows
@@ -61,4 +57,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(exit_code(lambda: main(sys.argv[1:])))

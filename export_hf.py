@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from config import UserError
+from config import UserError, exit_code
 from data import get_tokenizer
 from ckpt_format import read_model
 from model import GPTConfig
@@ -100,13 +100,9 @@ def main(argv: list[str]) -> int:
     if len(argv) != 2:
         print(__doc__.splitlines()[2], file=sys.stderr)
         return 2
-    try:
-        export(*argv)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    export(*argv)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(exit_code(lambda: main(sys.argv[1:])))

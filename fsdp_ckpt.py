@@ -22,7 +22,7 @@ from ckpt_format import (
     fill_local, full_path, host_copy, is_first_replica, load_file, local_slice, marker_path, open_rank_files,
     piece_of, read_marker, read_sharded, save_atomically, shard_path)
 from ckpt_index import build_index, check_file, check_whole, files_to_open, layout
-from config import UserError, to_dict
+from config import UserError, exit_code, to_dict
 from launch import agree
 
 
@@ -289,14 +289,10 @@ def main(argv: list[str]) -> int:
     if len(argv) != 3 or argv[0] != "consolidate":
         print("usage: python fsdp_ckpt.py consolidate fsdp_sharded_cpt{step}_rank0.pth OUT.pth", file=sys.stderr)
         return 2
-    try:
-        consolidate(argv[1], argv[2])
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    consolidate(argv[1], argv[2])
     print(f"wrote {argv[2]}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(exit_code(lambda: main(sys.argv[1:])))

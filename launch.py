@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from config import UserError
+from config import UserError, exit_code
 
 # strategy -> (mesh layout, reshard parameters after forward)
 STRATEGY_TABLE = {
@@ -145,10 +145,7 @@ def run_entry_point(body: Callable[[], int | None]) -> NoReturn:
     threads may still take the GIL, output is flushed, and the process ends without finalisation.
     """
     try:
-        code = body() or 0
-    except UserError as e:
-        sys.stderr.write(f"error: {e}\n")  # one write: several ranks share the stream
-        code = 2
+        code = exit_code(body)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except BaseException:  # noqa: BLE001 - the traceback is printed; the exit code says it failed

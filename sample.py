@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from config import UserError
+from config import exit_code
 from data import get_tokenizer
 from ckpt_format import load_gpt
 
@@ -35,16 +35,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        model, ckpt = load_gpt(args.checkpoint, device)
-        tokenizer = get_tokenizer(ckpt["config"]["tokenizer"])
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    model, ckpt = load_gpt(args.checkpoint, device)
+    tokenizer = get_tokenizer(ckpt["config"]["tokenizer"])
     print(complete(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_k or None,
                    args.seed, device))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(exit_code(lambda: main(sys.argv[1:])))

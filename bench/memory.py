@@ -42,7 +42,7 @@ def largest_rank(nproc: int, args: list[str], workdir: str) -> tuple[float, floa
     result = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=1200)
     if result.returncode:
         sys.exit(f"failed: {' '.join(cmd)}\n{result.stderr[-2000:]}")
-    peaks, states = re.search(r"memory per rank, GB: peak ([\d. ]+) \| parameters + optimizer state "
+    peaks, states = re.search(r"memory per rank, GB: peak ([\d. ]+) \| parameters \+ optimizer state "
                               r"([\d. ]+)", result.stdout).groups()
     return max(map(float, peaks.split())), max(map(float, states.split()))
 

@@ -20,7 +20,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from ckpt_index import build_index, files_to_open  # noqa: E402
-from config import UserError, parse_args  # noqa: E402
+from config import UserError, exit_code, parse_args  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "auto": 2}  # auto: bf16 on the GPUs this plans for
@@ -142,15 +142,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--gpus_per_node", type=int, default=8)
     parser.add_argument("--bandwidth", type=float, default=10.0, help="filesystem aggregate GB/s")
     args, rest = parser.parse_known_args(argv)
-    try:
-        cfg = parse_args(rest)
-        if cfg.train_batch % (cfg.micro_batch * args.gpus):
-            raise UserError(f"train_batch={cfg.train_batch} must be a multiple of micro_batch={cfg.micro_batch} x "
-                            f"{args.gpus} GPUs: set --train_batch")
-        rows = report(cfg, args.gpus, args.gpus_per_node, args.bandwidth)
-    except UserError as e:
-        sys.stderr.write(f"error: {e}\n")
-        return 2
+    cfg = parse_args(rest)
+    if cfg.train_batch % (cfg.micro_batch * args.gpus):
+        raise UserError(f"train_batch={cfg.train_batch} must be a multiple of micro_batch={cfg.micro_batch} x "
+                        f"{args.gpus} GPUs: set --train_batch")
+    rows = report(cfg, args.gpus, args.gpus_per_node, args.bandwidth)
     plan = Plan(cfg, args.gpus, args.gpus)
     print(f"{plan.numel:,} parameters stored (position embeddings included), {args.gpus} GPUs ({args.gpus_per_node} per node), "
           f"{plan.micro_steps} micro-steps of {cfg.micro_batch} x {cfg.block_size} tokens per rank per step, "
@@ -163,4 +159,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(exit_code(lambda: main(sys.argv[1:])))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import ckpt_format
-from config import TrainConfig
+from config import TrainConfig, exit_code
 from conftest import ROOT, checkpoint_of, scalars
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
@@ -46,5 +46,5 @@ def test_plan_prints_a_table_and_refuses_a_batch_that_does_not_split(capsys):
     out = capsys.readouterr().out
     assert "| shard group x replicas | 64 x 1 | 8 x 8 |" in out
     assert "| rank files a rank opens on resume | 1 | 1 |" in out
-    assert main([config, "--gpus", "128"]) == 2
+    assert exit_code(lambda: main([config, "--gpus", "128"])) == 2
     assert "error: train_batch=512 must be a multiple of micro_batch=8 x 128 GPUs" in capsys.readouterr().err
