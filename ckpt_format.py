@@ -103,19 +103,22 @@ def check_model_shape(path: str, saved: dict, cfg) -> None:
                             f"{getattr(cfg, key)}: set --{key}={saved.get(key)} to resume it")
 
 
-def local_slice(t: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """This rank's dim-0 slice of a (possibly FSDP-sharded) tensor and its global offset.
+def dim0_shard(rows: int, n: int, i: int) -> tuple[int, int]:
+    """(offset, rows) of shard i of n: FSDP2 shards dim 0 like torch.chunk, rank i holding rows
+    [i*c, min((i+1)*c, rows)), c = ceil(rows / n), possibly none."""
+    chunk = -(-rows // n)
+    start = min(i * chunk, rows)
+    return start, min(start + chunk, rows) - start
 
-    FSDP2 shards dim 0 like torch.chunk: rank i of n holds rows [i*c, min((i+1)*c, rows)),
-    c = ceil(rows / n), possibly none.
-    """
+
+def local_slice(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """This rank's dim-0 slice of a (possibly FSDP-sharded) tensor and its global offset."""
     if not isinstance(t, DTensor):
         return t, 0
     offset = 0
     for mesh_dim, placement in enumerate(t.placements):
         if placement.is_shard(0):
-            n, i = t.device_mesh.size(mesh_dim), t.device_mesh.get_local_rank(mesh_dim)
-            offset += min(i * -(-t.shape[0] // n), t.shape[0])
+            offset += dim0_shard(t.shape[0], t.device_mesh.size(mesh_dim), t.device_mesh.get_local_rank(mesh_dim))[0]
     return t.to_local(), offset
 
 

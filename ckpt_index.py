@@ -17,14 +17,22 @@ import torch
 from ckpt_format import CorruptCheckpoint
 
 
+def model_key(name: str) -> str:
+    return f"model/{name}"
+
+
+def state_key(name: str, state: str) -> str:
+    return f"optimizer/{name}/{state}"
+
+
 def tensor_pieces(state: dict):
     """(key, piece) for every sliced tensor of one rank file's state: weights and optimizer moments."""
     for name, piece in state["model"].items():
-        yield f"model/{name}", piece
+        yield model_key(name), piece
     for name, saved in state["optimizer"].items():
         for key, value in saved.items():
             if isinstance(value, dict):
-                yield f"optimizer/{name}/{key}", value
+                yield state_key(name, key), value
 
 
 def layout(state: dict) -> dict:
@@ -58,6 +66,12 @@ def check_file(index: dict, state: dict, rank: int, path: str) -> None:
     if layout(state) != {key: (rows, *table[rank].tolist()) for key, (rows, table) in index.items()}:
         raise CorruptCheckpoint(f"rank file {path} does not hold the slices its checkpoint's index lists: "
                                 f"the set mixes files of different checkpoints")
+
+
+def wanted_rows(index: dict, slices: dict) -> dict:
+    """{key: (offset, rows)} of every indexed tensor of the parameters in slices ({name: (offset,
+    rows)}): a parameter's optimizer moments are split as the parameter is."""
+    return {key: slices[name] for key in index if (name := key.split("/")[1]) in slices}
 
 
 def files_to_open(index: dict, wanted: dict, own_rank: int) -> list[int]:

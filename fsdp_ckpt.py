@@ -21,7 +21,7 @@ from ckpt_format import (
     FULL_OPTIONS, LOAD_OPTIONS, SHARD_RE, CorruptCheckpoint, check_model_shape, complete_checkpoints, consolidate,
     fill_local, full_path, host_copy, is_first_replica, load_file, local_slice, marker_path, open_rank_files,
     piece_of, read_marker, read_sharded, save_atomically, shard_path)
-from ckpt_index import build_index, check_file, check_whole, files_to_open, layout
+from ckpt_index import build_index, check_file, check_whole, files_to_open, layout, wanted_rows
 from config import UserError, exit_code, to_dict
 from launch import agree
 
@@ -273,11 +273,12 @@ class CheckpointManager:
         if index is None:
             files = read_sharded(directory, step)
         else:
-            slices = {name: local_slice(p) for p, name in names.items()}
-            wanted = {key: (slices[name][1], slices[name][0].shape[0]) for key in index
-                      if (name := key.split("/")[1]) in slices}
+            slices = {}
+            for p, name in names.items():
+                local, offset = local_slice(p)
+                slices[name] = (offset, local.shape[0])
             # a rank holding no rows at all (more ranks than rows) still reads one file's header
-            ranks = files_to_open(index, wanted, self.topo.rank) or [0]
+            ranks = files_to_open(index, wanted_rows(index, slices), self.topo.rank) or [0]
             files = open_rank_files(directory, step, ranks)
             for r, f in zip(ranks, files):
                 check_file(index, f, r, shard_path(directory, step, r))

@@ -72,9 +72,7 @@ class BatchLoader:
         return torch.from_numpy(np.stack([tokens.window(int(s), T + 1) for s in starts]).astype(np.int64))
 
     def _rows(self, split: str, starts: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        xy = self._host_rows(split, starts)
-        if self.device.type == "cuda":
-            xy = xy.pin_memory().to(self.device, non_blocking=True)
+        xy = self._finish_copy(self._start_copy(self._host_rows(split, starts)))
         return xy[:, :-1], xy[:, 1:]
 
     def _my_chunks(self, step: int) -> list[np.ndarray]:
@@ -94,18 +92,19 @@ class BatchLoader:
             return
         # one ahead: micro-batch i+1 (after the last, the next step's first) is read and its copy
         # started before micro-batch i is handed over, so the copy runs while i computes
-        for i, chunk in enumerate(chunks):
-            key, copy = self._ahead or (None, None)
-            if key != (step, i):  # the first step, or a jump (resume): nothing usable in flight
-                copy = self._start_copy(self._host_rows("train", chunk))
-            following = (step, i + 1) if i + 1 < len(chunks) else (step + 1, 0)
-            following_chunk = chunks[i + 1] if i + 1 < len(chunks) else self._my_chunks(step + 1)[0]
+        queue = [((step, i), chunk) for i, chunk in enumerate(chunks)]
+        queue.append(((step + 1, 0), self._my_chunks(step + 1)[0]))
+        for (key, chunk), (following, following_chunk) in zip(queue, queue[1:]):
+            if self._ahead is None or self._ahead[0] != key:  # the first step, or a jump (resume)
+                self._ahead = (key, self._start_copy(self._host_rows("train", chunk)))
+            copy = self._ahead[1]
             self._ahead = (following, self._start_copy(self._host_rows("train", following_chunk)))
             xy = self._finish_copy(copy)
             yield xy[:, :-1], xy[:, 1:]
 
     def _start_copy(self, xy: torch.Tensor):
-        if self.device.type != "cuda":  # the one-ahead order, tested on CPU
+        """The host rows on their way to the device: on GPU through pinned memory, on a side stream."""
+        if self.device.type != "cuda":
             return xy, None
         with torch.cuda.stream(self._copy_stream):
             xy = xy.pin_memory().to(self.device, non_blocking=True)

@@ -7,8 +7,8 @@ fsdp_size, default one node, replicated across them): parameters, gradients and 
 the bytes each rank sends per optimizer step (all-gathers, reduce-scatters, and HYBRID's
 all-reduce across replicas); the sharded checkpoint's size, the time to write and to read it at
 the filesystem's aggregate bandwidth (replica groups past the first receive their slices over
-the network instead), the rank files each rank opens on resume and the index's size. Ring collectives: a rank sends (n-1)/n of the gathered or reduced bytes, an all-reduce
-twice that. The rank with the most rows is shown (rank 0: FSDP2 splits dim 0 like torch.chunk).
+the network instead), the rank files each rank opens on resume and the index's size. Ring
+collectives: a rank sends (n-1)/n of the gathered or reduced bytes, an all-reduce twice that. The rank with the most rows is shown (rank 0: FSDP2 splits dim 0 like torch.chunk).
 """
 import argparse
 import io
@@ -19,7 +19,8 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from ckpt_index import build_index, files_to_open  # noqa: E402
+from ckpt_format import dim0_shard  # noqa: E402
+from ckpt_index import build_index, files_to_open, model_key, state_key, wanted_rows  # noqa: E402
 from config import UserError, exit_code, parse_args  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
@@ -37,13 +38,6 @@ def units(cfg) -> list[list[tuple[str, torch.Size]]]:
     return blocks + [[(n, p.shape) for n, p in model.named_parameters() if n not in in_blocks]]
 
 
-def held_rows(rows: int, shards: int, index: int) -> tuple[int, int]:
-    """(offset, rows) of shard `index` of `shards`: FSDP2's dim-0 split."""
-    chunk = -(-rows // shards)
-    start, end = min(index * chunk, rows), min((index + 1) * chunk, rows)
-    return start, end - start
-
-
 def row_numel(shape: torch.Size) -> int:
     return shape[1:].numel()
 
@@ -56,21 +50,24 @@ class Plan:
         self.numel = sum(shape.numel() for _, shape in self.params)
         self.micro_steps = cfg.train_batch // (cfg.micro_batch * gpus)
 
+    def slices(self, rank: int) -> dict:
+        """{name: (offset, rows)} of every parameter's dim-0 slice on `rank` (shard index rank % shard)."""
+        return {name: dim0_shard(shape[0], self.shard, rank % self.shard) for name, shape in self.params}
+
     def state_bytes(self, rank: int) -> dict:
-        """fp32 parameters, gradients and AdamW moments held by `rank` (shard index rank % shard)."""
-        local = sum(held_rows(shape[0], self.shard, rank % self.shard)[1] * row_numel(shape) for _, shape in self.params)
+        """fp32 parameters, gradients and AdamW moments held by `rank`."""
+        slices = self.slices(rank)
+        local = sum(slices[name][1] * row_numel(shape) for name, shape in self.params)
         return {"parameters": 4 * local, "gradients": 4 * local, "optimizer": 4 * ADAMW_MOMENTS * local}
 
-    def sent_bytes(self, reshard: bool) -> dict:
+    def sent_bytes(self) -> dict:
         """Bytes one rank sends per optimizer step: all-gathers in the compute dtype each micro-step
         (again in backward for units resharded after forward: all blocks but the last, never the
         root), one reduce-scatter in the reduce dtype, HYBRID's all-reduce of the shards."""
-        cfg, n = self.cfg, self.shard
-        unit_numel = [sum(shape.numel() for _, shape in unit) for unit in self.units]
-        regathered = sum(unit_numel[:len(unit_numel) - 2]) if reshard else 0  # root last, last block before it
+        cfg, n, r = self.cfg, self.shard, self.replicas
+        regathered = sum(shape.numel() for unit in self.units[:-2] for _, shape in unit)  # root last, last block before it
         gathers = self.micro_steps * (self.numel + regathered) * BYTES[cfg.dtype]
         reduced = self.numel * BYTES[cfg.reduce_dtype]
-        r = self.replicas
         return {"all-gather": gathers * (n - 1) / n, "reduce-scatter": reduced * (n - 1) / n,
                 "all-reduce": 2 * (r - 1) / r * reduced / n}
 
@@ -78,13 +75,13 @@ class Plan:
         """The sharded checkpoint's index as ckpt_index builds it: replica group 0 writes the rows."""
         layouts = []
         for rank in range(self.gpus):
-            layout = {}
+            slices, layout = self.slices(rank), {}
             for name, shape in self.params:
-                offset, rows = held_rows(shape[0], self.shard, rank % self.shard)
+                offset, rows = slices[name]
                 rows = rows if rank < self.shard else 0
-                layout[f"model/{name}"] = (shape[0], offset, rows)
+                layout[model_key(name)] = (shape[0], offset, rows)
                 for moment in ("exp_avg", "exp_avg_sq"):
-                    layout[f"optimizer/{name}/{moment}"] = (shape[0], offset, rows)
+                    layout[state_key(name, moment)] = (shape[0], offset, rows)
             layouts.append(layout)
         return build_index(layouts)
 
@@ -92,17 +89,12 @@ class Plan:
         """Rank files `rank` opens on resume: replicas past the first receive their slices instead."""
         if rank >= self.shard:
             return 0
-        wanted = {}
-        for name, shape in self.params:
-            offset, rows = held_rows(shape[0], self.shard, rank % self.shard)
-            wanted |= {key: (offset, rows) for key in (f"model/{name}", f"optimizer/{name}/exp_avg",
-                                                       f"optimizer/{name}/exp_avg_sq")}
-        return len(files_to_open(index, wanted, rank))
+        return len(files_to_open(index, wanted_rows(index, self.slices(rank)), rank))
 
 
 def column(plan: Plan, bandwidth: float) -> dict:
     """One strategy's figures, by row label."""
-    state, sent = plan.state_bytes(0), plan.sent_bytes(reshard=True)
+    state, sent = plan.state_bytes(0), plan.sent_bytes()
     size = plan.numel * 4 * (1 + ADAMW_MOMENTS)
     index = plan.index()
     readers = {0, plan.shard - 1}  # the first replica group's ends: the others open no file
@@ -123,8 +115,7 @@ def column(plan: Plan, bandwidth: float) -> dict:
     }
 
 
-def report(cfg, gpus: int, gpus_per_node: int, bandwidth: float) -> list[tuple[str, ...]]:
-    plans = {"FULL_SHARD": Plan(cfg, gpus, gpus), "HYBRID_SHARD": Plan(cfg, gpus, cfg.fsdp_size or gpus_per_node)}
+def report(plans: dict, bandwidth: float) -> list[tuple[str, ...]]:
     columns = {name: column(plan, bandwidth) for name, plan in plans.items()}
     labels = columns["FULL_SHARD"]
     return [("", *plans), ("---",) * (1 + len(plans))] + [(label, *(c[label] for c in columns.values())) for label in labels]
@@ -146,12 +137,13 @@ def main(argv: list[str]) -> int:
     if cfg.train_batch % (cfg.micro_batch * args.gpus):
         raise UserError(f"train_batch={cfg.train_batch} must be a multiple of micro_batch={cfg.micro_batch} x "
                         f"{args.gpus} GPUs: set --train_batch")
-    rows = report(cfg, args.gpus, args.gpus_per_node, args.bandwidth)
-    plan = Plan(cfg, args.gpus, args.gpus)
+    plans = {"FULL_SHARD": Plan(cfg, args.gpus, args.gpus),
+             "HYBRID_SHARD": Plan(cfg, args.gpus, cfg.fsdp_size or args.gpus_per_node)}
+    plan = plans["FULL_SHARD"]
     print(f"{plan.numel:,} parameters stored (position embeddings included), {args.gpus} GPUs ({args.gpus_per_node} per node), "
           f"{plan.micro_steps} micro-steps of {cfg.micro_batch} x {cfg.block_size} tokens per rank per step, "
           f"compute {cfg.dtype if cfg.dtype != 'auto' else 'bf16'}, reduce {cfg.reduce_dtype}")
-    for row in rows:
+    for row in report(plans, args.bandwidth):
         print("| " + " | ".join(row) + " |")
     full = plan.numel * 4 * (1 + ADAMW_MOMENTS)
     print(f"full checkpoint: {full / GB:.2f} GB gathered into rank 0's host memory and written by rank 0 alone")

@@ -4,19 +4,19 @@ import sys
 
 import pytest
 
-from ckpt_format import CorruptCheckpoint
+from ckpt_format import CorruptCheckpoint, dim0_shard
 from ckpt_index import build_index, check_whole, files_to_open
 from config import parse_args
 from conftest import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
-from scale_plan import held_rows, units  # noqa: E402
+from scale_plan import units  # noqa: E402
 
 ROWS = {"model/wte.weight": 256, "model/ln.bias": 64, "model/odd.weight": 50, "model/tiny.bias": 3}
 
 
 def flat_layouts(world: int) -> list[dict]:
-    return [{key: (rows, *held_rows(rows, world, r)) for key, rows in ROWS.items()} for r in range(world)]
+    return [{key: (rows, *dim0_shard(rows, world, r)) for key, rows in ROWS.items()} for r in range(world)]
 
 
 def model_rows(config: str) -> dict:
@@ -26,9 +26,9 @@ def model_rows(config: str) -> dict:
 
 
 def opened(rows: dict, saved_world: int, world: int) -> list[list[int]]:
-    layouts = [{key: (n, *held_rows(n, saved_world, r)) for key, n in rows.items()} for r in range(saved_world)]
+    layouts = [{key: (n, *dim0_shard(n, saved_world, r)) for key, n in rows.items()} for r in range(saved_world)]
     index = build_index(layouts)
-    return [files_to_open(index, {key: held_rows(n, world, r) for key, n in rows.items()}, r) for r in range(world)]
+    return [files_to_open(index, {key: dim0_shard(n, world, r) for key, n in rows.items()}, r) for r in range(world)]
 
 
 @pytest.mark.parametrize("config", ["demo_cpu.yaml", "train90M_fsdp.yaml", "train300M_fsdp.yaml"])
