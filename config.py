@@ -28,6 +28,7 @@ def exit_code(body: typing.Callable[[], int | None]) -> int:
 
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
 DTYPES = ("auto", "bf16", "fp16", "fp32")
+OPTIMIZERS = ("adamw", "muon")
 MODEL_SHAPE_KEYS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "bias")
 
 
@@ -49,6 +50,8 @@ class TrainConfig:
     train_batch: int = 480
     micro_batch: int = 12
     # optimizer and schedule (steps count from 1)
+    optimizer: str = "adamw"  # muon: Muon for the blocks' matrices, AdamW for the rest (muon.py)
+    muon_momentum: float = 0.95
     learning_rate: float = 6e-4
     min_lr: float = 6e-5
     warmup_iters: int = 2000
@@ -189,6 +192,8 @@ def validate(cfg: TrainConfig) -> None:
     require(0.0 <= cfg.dropout < 1.0, f"dropout must be in [0, 1), got {cfg.dropout}")
     require(cfg.fsdp_size is None or cfg.fsdp_size > 0, f"fsdp_size must be positive, got {cfg.fsdp_size}")
     require(cfg.keep_last >= 0, f"keep_last must be 0 (keep all) or positive, got {cfg.keep_last}")
+    require(cfg.optimizer in OPTIMIZERS, f"optimizer '{cfg.optimizer}' is not one of {', '.join(OPTIMIZERS)}")
+    require(0.0 <= cfg.muon_momentum < 1.0, f"muon_momentum must be in [0, 1), got {cfg.muon_momentum}")
     require(cfg.min_lr <= cfg.learning_rate,
             f"min_lr={cfg.min_lr} must not exceed learning_rate={cfg.learning_rate}")
 

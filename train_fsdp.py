@@ -22,6 +22,7 @@ from loader import BatchLoader
 from launch import STRATEGY_TABLE, Topology, agree, init_distributed, run_entry_point
 from metrics import ProgressLog, device_peak_flops, per_rank_memory
 from model import GPT, GPTConfig
+from muon import MuonWithAdamW
 from sample import complete
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -78,15 +79,40 @@ def build_model(cfg, gpt_cfg: GPTConfig, topo: Topology) -> torch.nn.Module:
     return model
 
 
-def build_optimizer(cfg, model: torch.nn.Module) -> torch.optim.AdamW:
-    # weight decay on matmul and embedding weights; none on biases and LayerNorm parameters
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        (no_decay if name.endswith("bias") or ".ln_" in name or "ln_f" in name else decay).append(p)
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+def parameter_groups(gpt: GPT) -> tuple[dict, dict]:
+    """{name: parameter} with weight decay (matmul and embedding weights), and without (biases,
+    LayerNorm parameters)."""
+    decay, no_decay = {}, {}
+    for name, p in gpt.named_parameters():
+        (no_decay if name.endswith("bias") or ".ln_" in name or "ln_f" in name else decay)[name] = p
+    return decay, no_decay
+
+
+def adamw_optimizer(cfg, gpt: GPT, device: torch.device) -> torch.optim.AdamW:
+    decay, no_decay = parameter_groups(gpt)
     # fused: one kernel over all parameters, on GPU and CPU alike; the per-tensor (foreach)
     # path costs several times more on FSDP's DTensors
-    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), fused=True)
+    return torch.optim.AdamW([{"params": list(decay.values()), "weight_decay": cfg.weight_decay},
+                              {"params": list(no_decay.values()), "weight_decay": 0.0}],
+                             lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), fused=True)
+
+
+def muon_optimizer(cfg, gpt: GPT, device: torch.device) -> MuonWithAdamW:
+    """Muon for the blocks' 2-D weights; AdamW for embeddings, LM head, LayerNorms and biases."""
+    decay, no_decay = parameter_groups(gpt)
+    matrices = [p for name, p in decay.items() if name.startswith("blocks.") and p.dim() == 2]
+    adamw = dict(muon=False, betas=(cfg.beta1, cfg.beta2), eps=1e-8, fused=True)
+    return MuonWithAdamW([
+        dict(params=matrices, muon=True, weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum),
+        dict(params=[p for p in decay.values() if not any(p is m for m in matrices)], weight_decay=cfg.weight_decay, **adamw),
+        dict(params=list(no_decay.values()), weight_decay=0.0, **adamw)], lr=cfg.learning_rate, device=device)
+
+
+OPTIMIZERS = {"adamw": adamw_optimizer, "muon": muon_optimizer}
+
+
+def build_optimizer(cfg, gpt: GPT, device: torch.device) -> torch.optim.Optimizer:
+    return OPTIMIZERS[cfg.optimizer](cfg, gpt, device)
 
 
 def lr_at(cfg, step: int) -> float:
@@ -198,7 +224,7 @@ def train(cfg) -> None:
               f"gradient accumulation {accum_steps}, compute dtype {compute_dtype(cfg, device)}", flush=True)
     model = build_model(cfg, gpt_cfg, topo)
     gpt = getattr(model, "module", model)  # the GPT under a DDP wrapper; FSDP2 keeps the module itself
-    optimizer = build_optimizer(cfg, model)
+    optimizer = build_optimizer(cfg, gpt, device)
     ckpt = CheckpointManager(cfg, topo)
     step = ckpt.resume(cfg.resume_from, model, optimizer)
     loader = BatchLoader(cfg.data_path, meta, cfg.block_size, cfg.train_batch, cfg.micro_batch,

@@ -16,7 +16,7 @@ def probe(argv: list[str]) -> None:
     cfg = parse_args(argv + ["--dtype=fp16"])
     topo = init_distributed(cfg)
     model = build_model(cfg, GPTConfig(**cfg.model_shape), topo)
-    optimizer = build_optimizer(cfg, model)
+    optimizer = build_optimizer(cfg, model, topo.device)
     scaler = torch.amp.GradScaler(topo.device.type)  # as the trainer makes it for fp16
     report = []
     for overflow_on_rank0 in (True, False):

@@ -25,6 +25,7 @@ def assert_one_line_error(result, *phrases):
     ({"n_embd": 64, "n_head": 5}, ["n_head=5 must divide n_embd=64"]),
     ({"sharding_strategy": "ZERO3"}, ["sharding_strategy 'ZERO3'"]),
     ({"fsdp_size": 0}, ["fsdp_size must be positive"]),
+    ({"optimizer": "sgd"}, ["optimizer 'sgd' is not one of adamw, muon"]),
     ({"sharding_strategy": "HYBRID_SHARD", "fsdp_size": 2}, ["HYBRID_SHARD with fsdp_size=2 needs at least 2 ranks"]),
     ({"data_source": None, "data_path": "no/such/folder"}, ["no prepared data in 'no/such/folder'"]),
     # an unprepared data_path of its own: the session's corpus may be prepared already

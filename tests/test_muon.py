@@ -1,0 +1,129 @@
+"""Muon under FSDP2: the update of torch's single-device Muon, parity of every layout with one
+process, momentum in full and sharded checkpoints, resumes bitwise and resharded."""
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from conftest import checkpoint_of, run_trainer, scalars
+from muon import MuonWithAdamW, orthogonalise
+
+# n_embd 66: 4 ranks hold 50/50/50/48 rows of c_attn, 17/17/17/15 of c_proj (uneven slices);
+# 24 sequences a step: 1, 2, 3 and 4 ranks take whole micro-batches of 2, with accumulation
+MUON = dict(optimizer="muon", n_embd=66, train_batch=24, max_iters=6, eval_interval=3, save_interval=3)
+TAGS = ("train/loss", "train/grad_norm", "val/loss")
+
+
+@pytest.fixture
+def one_process_group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_update_is_torch_muons_with_adamw_matched_rms(one_process_group):
+    """Three steps on a tall and a wide matrix: the same change of weights as torch.optim.Muon
+    (momentum, Nesterov, weight decay, the match_rms_adamw scale). torch iterates in bf16, this
+    optimizer in fp32 on CPU: they differ by bf16's rounding, about 1%."""
+    torch.manual_seed(0)
+    start = [torch.randn(48, 16), torch.randn(16, 64)]
+    theirs, ours = ([w.clone().requires_grad_() for w in start] for _ in range(2))
+    reference = torch.optim.Muon(theirs, lr=0.02, weight_decay=0.1, momentum=0.95, adjust_lr_fn="match_rms_adamw")
+    optimizer = MuonWithAdamW([dict(params=ours, muon=True, weight_decay=0.1, momentum=0.95)],
+                              lr=0.02, device=torch.device("cpu"))
+    for _ in range(3):
+        for a, b in zip(theirs, ours):
+            a.grad = torch.randn_like(a)
+            b.grad = a.grad.clone()
+        reference.step()
+        optimizer.step()
+    for w, a, b in zip(start, theirs, ours):
+        change, difference = (a - w).detach(), (a - b).detach()
+        assert difference.abs().max() < 0.03 * change.abs().max()
+        assert not torch.equal(a, w)
+
+
+@pytest.mark.parametrize("shape", [(96, 32), (32, 96), (40, 40)])
+def test_orthogonalise_brings_singular_values_near_one(shape):
+    torch.manual_seed(0)
+    k = min(shape)
+    u, _ = torch.linalg.qr(torch.randn(shape[0], k))
+    v, _ = torch.linalg.qr(torch.randn(shape[1], k))
+    g = u @ torch.diag(torch.logspace(-2, 0, k)) @ v.T  # singular values over two decades
+    s = torch.linalg.svdvals(orthogonalise(g))
+    assert 0.6 < s.min() and s.max() < 1.25, s
+
+
+@pytest.fixture(scope="module")
+def runs(corpus, tmp_path_factory):
+    """name -> folder of a Muon run of 6 steps, each launched once per module."""
+    made = {}
+
+    def run(name: str, nproc: int, **settings) -> str:
+        if name not in made:
+            made[name] = str(tmp_path_factory.mktemp(name))
+            run_trainer(made[name], nproc=nproc, **(MUON | corpus | settings))
+        return made[name]
+    return run
+
+
+def logged(run_dir: str) -> dict:
+    return {tag: scalars(os.path.join(run_dir, "tb"), tag) for tag in TAGS}
+
+
+LAYOUTS = {  # name: (ranks, settings)
+    "FULL_SHARD": (4, dict(sharding_strategy="FULL_SHARD")),
+    "NO_SHARD": (4, dict(sharding_strategy="NO_SHARD")),
+    "HYBRID_SHARD": (4, dict(sharding_strategy="HYBRID_SHARD", fsdp_size=2)),
+    "FULL_SHARD_3": (3, dict(sharding_strategy="FULL_SHARD")),  # 8 matrices in rounds of 3: an idle owner
+    "DDP": (2, dict(fsdp=False, checkpoint_type="full")),
+    "OFFLOAD": (2, dict(cpu_offload=True, checkpoint_type="sharded")),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_layout_matches_one_process(layout, runs):
+    reference = logged(runs("one", 1))
+    nproc, settings = LAYOUTS[layout]
+    got = logged(runs(layout, nproc, **settings))
+    for tag, values in reference.items():
+        assert sorted(got[tag]) == sorted(values)
+        for step, value in values.items():
+            assert got[tag][step] == pytest.approx(value, rel=1e-4), (tag, step)
+    assert reference["train/loss"][6] < reference["train/loss"][1] - 0.5  # it trains
+
+
+def momentum(path: str) -> dict:
+    state = torch.load(path, map_location="cpu", weights_only=False)["optimizer"]
+    # full checkpoints: {"state": {name: ...}}; sharded: {name: {key: piece}}
+    return {name: s for name, s in state.get("state", state).items() if "momentum_buffer" in s}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout, kind", [("DDP", "full"), ("OFFLOAD", "sharded")])
+def test_checkpoints_hold_the_momentum_and_resume_bitwise(layout, kind, runs, corpus, tmp_path):
+    nproc, settings = LAYOUTS[layout]
+    original = runs(layout, nproc, **settings)
+    path = checkpoint_of(original, kind, 3, rank=0)
+    buffers = momentum(path)
+    assert len(buffers) == 8 and all("blocks." in name for name in buffers)  # 4 matrices x 2 blocks
+    result = run_trainer(str(tmp_path), nproc=nproc, resume_from=path, **(MUON | corpus | settings))
+    assert f"resumed from {path} at step 3" in result.stdout
+    got, expected = logged(str(tmp_path))["train/loss"], logged(original)["train/loss"]
+    assert sorted(got) == [4, 5, 6] and all(got[s] == expected[s] for s in got), (got, expected)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc, settings", [(1, {}), (4, dict(sharding_strategy="FULL_SHARD"))])
+def test_sharded_momentum_reshards(nproc, settings, runs, corpus, tmp_path):
+    """2-rank shards (offloaded) -> 1 process or 4 ranks: the run continues as it went on 2."""
+    offload_ranks, offload_settings = LAYOUTS["OFFLOAD"]
+    original = runs("OFFLOAD", offload_ranks, **offload_settings)
+    path = checkpoint_of(original, "sharded", 3, rank=0)
+    run_trainer(str(tmp_path), nproc=nproc, resume_from=path, **(MUON | corpus | settings))
+    got, expected = logged(str(tmp_path))["train/loss"], logged(original)["train/loss"]
+    assert sorted(got) == [4, 5, 6]
+    for step in got:
+        assert got[step] == pytest.approx(expected[step], rel=1e-4), step
