@@ -3,9 +3,10 @@
     python bench/scale_plan.py CONFIG [--key=value ...] --gpus N --gpus_per_node G [--bandwidth GB/s]
 
 Per rank, under FULL_SHARD (one shard group of all ranks) and HYBRID_SHARD (shard groups of
-fsdp_size, default one node, replicated across them): parameters, gradients and AdamW state;
-the bytes each rank sends per optimizer step (all-gathers, reduce-scatters, and HYBRID's
-all-reduce across replicas); the sharded checkpoint's size, the time to write and to read it at
+fsdp_size, default one node, replicated across them): parameters, gradients and optimizer state
+(AdamW: two moments; optimizer: muon, one momentum for the blocks' matrices); the bytes each
+rank sends per optimizer step (all-gathers, reduce-scatters, HYBRID's all-reduce across
+replicas, Muon's exchange of the matrices); the sharded checkpoint's size, the time to write and to read it at
 the filesystem's aggregate bandwidth (replica groups past the first receive their slices over
 the network instead), the rank files each rank opens on resume and the index's size. Ring
 collectives: a rank sends (n-1)/n of the gathered or reduced bytes, an all-reduce twice that. The rank with the most rows is shown (rank 0: FSDP2 splits dim 0 like torch.chunk).
@@ -25,7 +26,7 @@ from config import UserError, exit_code, parse_args  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "auto": 2}  # auto: bf16 on the GPUs this plans for
-ADAMW_MOMENTS = 2
+ADAMW_MOMENTS = ("exp_avg", "exp_avg_sq")
 GB = 1e9
 
 
@@ -42,6 +43,15 @@ def row_numel(shape: torch.Size) -> int:
     return shape[1:].numel()
 
 
+def is_muon_matrix(cfg, name: str, shape: torch.Size) -> bool:
+    return cfg.optimizer == "muon" and name.startswith("blocks.") and len(shape) == 2
+
+
+def optimizer_state(cfg, name: str, shape: torch.Size) -> tuple[str, ...]:
+    """The fp32 tensors the optimizer keeps per parameter, each shaped and split as the parameter."""
+    return ("momentum_buffer",) if is_muon_matrix(cfg, name, shape) else ADAMW_MOMENTS
+
+
 class Plan:
     def __init__(self, cfg, gpus: int, shard: int):
         self.cfg, self.gpus, self.shard, self.replicas = cfg, gpus, shard, gpus // shard
@@ -55,21 +65,27 @@ class Plan:
         return {name: dim0_shard(shape[0], self.shard, rank % self.shard) for name, shape in self.params}
 
     def state_bytes(self, rank: int) -> dict:
-        """fp32 parameters, gradients and AdamW moments held by `rank`."""
+        """fp32 parameters, gradients and optimizer state held by `rank`."""
         slices = self.slices(rank)
-        local = sum(slices[name][1] * row_numel(shape) for name, shape in self.params)
-        return {"parameters": 4 * local, "gradients": 4 * local, "optimizer": 4 * ADAMW_MOMENTS * local}
+        local = {name: slices[name][1] * row_numel(shape) for name, shape in self.params}
+        states = sum(local[name] * len(optimizer_state(self.cfg, name, shape)) for name, shape in self.params)
+        return {"parameters": 4 * sum(local.values()), "gradients": 4 * sum(local.values()), "optimizer": 4 * states}
+
+    def checkpoint_bytes(self) -> int:
+        return 4 * sum(shape.numel() * (1 + len(optimizer_state(self.cfg, name, shape))) for name, shape in self.params)
 
     def sent_bytes(self) -> dict:
         """Bytes one rank sends per optimizer step: all-gathers in the compute dtype each micro-step
         (again in backward for units resharded after forward: all blocks but the last, never the
-        root), one reduce-scatter in the reduce dtype, HYBRID's all-reduce of the shards."""
+        root), one reduce-scatter in the reduce dtype, HYBRID's all-reduce of the shards, and with
+        Muon the fp32 slices of the matrices to their owners and back (two all-to-alls)."""
         cfg, n, r = self.cfg, self.shard, self.replicas
+        matrices = sum(shape.numel() for name, shape in self.params if is_muon_matrix(cfg, name, shape))
         regathered = sum(shape.numel() for unit in self.units[:-2] for _, shape in unit)  # root last, last block before it
         gathers = self.micro_steps * (self.numel + regathered) * BYTES[cfg.dtype]
         reduced = self.numel * BYTES[cfg.reduce_dtype]
         return {"all-gather": gathers * (n - 1) / n, "reduce-scatter": reduced * (n - 1) / n,
-                "all-reduce": 2 * (r - 1) / r * reduced / n}
+                "all-reduce": 2 * (r - 1) / r * reduced / n, "muon exchange": 2 * 4 * matrices / n * (n - 1) / n}
 
     def index(self) -> dict:
         """The sharded checkpoint's index as ckpt_index builds it: replica group 0 writes the rows."""
@@ -80,7 +96,7 @@ class Plan:
                 offset, rows = slices[name]
                 rows = rows if rank < self.shard else 0
                 layout[model_key(name)] = (shape[0], offset, rows)
-                for moment in ("exp_avg", "exp_avg_sq"):
+                for moment in optimizer_state(self.cfg, name, shape):
                     layout[state_key(name, moment)] = (shape[0], offset, rows)
             layouts.append(layout)
         return build_index(layouts)
@@ -95,17 +111,19 @@ class Plan:
 def column(plan: Plan, bandwidth: float) -> dict:
     """One strategy's figures, by row label."""
     state, sent = plan.state_bytes(0), plan.sent_bytes()
-    size = plan.numel * 4 * (1 + ADAMW_MOMENTS)
+    size = plan.checkpoint_bytes()
     index = plan.index()
     readers = {0, plan.shard - 1}  # the first replica group's ends: the others open no file
     return {
         "shard group x replicas": f"{plan.shard} x {plan.replicas}",
         "parameters GB per rank (fp32)": f"{state['parameters'] / GB:.3f}",
         "gradients GB per rank (fp32)": f"{state['gradients'] / GB:.3f}",
-        "AdamW moments GB per rank (fp32)": f"{state['optimizer'] / GB:.3f}",
+        f"{plan.cfg.optimizer} state GB per rank (fp32)": f"{state['optimizer'] / GB:.3f}",
         "all-gather GB sent per rank per step": f"{sent['all-gather'] / GB:.3f}",
         "reduce-scatter GB sent per rank per step": f"{sent['reduce-scatter'] / GB:.3f}",
         "all-reduce GB sent per rank per step": f"{sent['all-reduce'] / GB:.3f}",
+        **({"muon exchange GB sent per rank per step": f"{sent['muon exchange'] / GB:.3f}"}
+           if plan.cfg.optimizer == "muon" else {}),
         "sharded checkpoint GB (each row once)": f"{size / GB:.2f}",
         f"write s at {bandwidth:g} GB/s": f"{size / GB / bandwidth:.1f}",
         f"resume: read s at {bandwidth:g} GB/s (each row once)": f"{size / GB / bandwidth:.1f}",
@@ -145,7 +163,7 @@ def main(argv: list[str]) -> int:
           f"compute {cfg.dtype if cfg.dtype != 'auto' else 'bf16'}, reduce {cfg.reduce_dtype}")
     for row in report(plans, args.bandwidth):
         print("| " + " | ".join(row) + " |")
-    full = plan.numel * 4 * (1 + ADAMW_MOMENTS)
+    full = plan.checkpoint_bytes()
     print(f"full checkpoint: {full / GB:.2f} GB gathered into rank 0's host memory and written by rank 0 alone")
     return 0
 

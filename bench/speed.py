@@ -3,6 +3,7 @@
     python bench/speed.py plain [--rounds 5] [--compile]  # trainer vs a plain PyTorch loop, 1 process
     python bench/speed.py scaling [--rounds 3]            # 2 and 4 ranks vs 1, each strategy and DDP
     python bench/speed.py loader                          # data loader tokens/s vs the trainer's
+    python bench/speed.py muon [--rounds 3]               # step time with muon vs adamw, 1 and 2 ranks
 
 The model: 4 layers, 256 wide (plain: 128 and 256, or --widths), block 128, batch 16, fp32,
 byte tokens (the demo's data).
@@ -59,7 +60,7 @@ def run(cmd: list[str], nproc: int, workdir: str) -> str:
 
 
 def trainer_rate(nproc: int, workdir: str, strategy: str = "FULL_SHARD", compile: bool = False,
-                 width: int = WIDTH) -> float:
+                 width: int = WIDTH, optimizer: str = "adamw") -> float:
     """Tokens/s the trainer logs (rank 0's line: the whole global batch)."""
     launch = [sys.executable] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
@@ -67,7 +68,7 @@ def trainer_rate(nproc: int, workdir: str, strategy: str = "FULL_SHARD", compile
     settings = shape(width) | dict(
         train_batch=BATCH, micro_batch=BATCH // nproc, max_iters=WARMUP + STEPS, log_interval=WARMUP,
         eval_interval=10 ** 6, eval_iters=1, save_interval=10 ** 6, dtype="fp32", compile=compile, sample_tokens=0,
-        checkpoint_dir="ckpt", tensorboard_dir="tb", data_path=demo_data())
+        checkpoint_dir="ckpt", tensorboard_dir="tb", data_path=demo_data(), optimizer=optimizer)
     out = run(launch + [os.path.join(ROOT, "train_fsdp.py"), DEMO] + mode +
               [f"--{k}={v}" for k, v in settings.items()], nproc, workdir)
     return median_after_warmup([float(r.replace(",", "")) for r in re.findall(r"\| ([\d,]+) tok/s", out)])
@@ -146,9 +147,21 @@ def bench_loader(workdir: str) -> None:
           f"{loader_rate / consumed:.0f}x headroom")
 
 
+def bench_muon(rounds: int, workdir: str) -> None:
+    """Step time is 1 / tokens/s at a fixed batch: muon's cost is adamw's rate over muon's."""
+    for nproc in (1, 2):
+        ratios = []
+        for _ in range(rounds):
+            adamw, muon = (trainer_rate(nproc, workdir, optimizer=o) for o in ("adamw", "muon"))
+            ratios.append(adamw / muon)
+            print(f"  {nproc} rank(s): adamw {adamw:,.0f} tok/s, muon {muon:,.0f} tok/s", flush=True)
+        print(f"{nproc} rank(s), FULL_SHARD: step time muon / adamw {statistics.median(ratios):.3f} "
+              f"(median of {rounds} alternating pairs)", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=("plain", "scaling", "loader", "_plain_loop"))
+    parser.add_argument("what", choices=("plain", "scaling", "loader", "muon", "_plain_loop"))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--compile", action="store_true", help="plain: compile both sides")
     parser.add_argument("--widths", type=int, nargs="+", default=[128, 256], help="plain: the models' widths")
@@ -163,6 +176,8 @@ def main() -> None:
         bench_plain(args.rounds, args.compile, args.widths, workdir)
     elif args.what == "scaling":
         bench_scaling(args.rounds, workdir)
+    elif args.what == "muon":
+        bench_muon(args.rounds, workdir)
     else:
         bench_loader(workdir)
 

@@ -1,13 +1,19 @@
 """Muon under FSDP2: the update of torch's single-device Muon, parity of every layout with one
 process, momentum in full and sharded checkpoints, resumes bitwise and resharded."""
 import os
+import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import checkpoint_of, run_trainer, scalars
+import ckpt_format
+from config import TrainConfig
+from conftest import ROOT, checkpoint_of, run_trainer, scalars
 from muon import MuonWithAdamW, orthogonalise
+
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+from scale_plan import Plan  # noqa: E402
 
 # n_embd 66: 4 ranks hold 50/50/50/48 rows of c_attn, 17/17/17/15 of c_proj (uneven slices);
 # 24 sequences a step: 1, 2, 3 and 4 ranks take whole micro-batches of 2, with accumulation
@@ -127,3 +133,20 @@ def test_sharded_momentum_reshards(nproc, settings, runs, corpus, tmp_path):
     assert sorted(got) == [4, 5, 6]
     for step in got:
         assert got[step] == pytest.approx(expected[step], rel=1e-4), step
+
+
+@pytest.mark.slow
+def test_scale_plan_knows_muons_state(runs, corpus):
+    """bench/scale_plan.py with optimizer: muon against the 2-rank run: the state each rank logged
+    (one momentum per matrix, two AdamW moments for the rest), the index its checkpoint holds."""
+    nproc, settings = LAYOUTS["OFFLOAD"]
+    run_dir = runs("OFFLOAD", nproc, **settings)
+    saved = torch.load(checkpoint_of(run_dir, "sharded", 6, rank=0), weights_only=True)
+    plan = Plan(TrainConfig(**saved["config"]), gpus=2, shard=2)
+    for rank in range(2):
+        logged = scalars(os.path.join(run_dir, "tb"), f"mem/rank{rank}/state_gb")[6]
+        planned = plan.state_bytes(rank)
+        assert logged == pytest.approx((planned["parameters"] + planned["optimizer"]) / 1e9, rel=1e-6), rank
+    index, planned = ckpt_format.read_marker(os.path.join(run_dir, "ckpt"), 6)["index"], plan.index()
+    assert sorted(index) == sorted(planned)
+    assert all(index[key][0] == planned[key][0] and torch.equal(index[key][1], planned[key][1]) for key in index)
