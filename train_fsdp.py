@@ -75,7 +75,13 @@ def build_model(cfg, gpt_cfg: GPTConfig, topo: Topology) -> torch.nn.Module:
         full_state = GPT(gpt_cfg).state_dict()
     set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     if topo.wrap == "ddp":
-        model = DistributedDataParallel(model, device_ids=[topo.device.index] if topo.device.type == "cuda" else None)
+        # find_unused_parameters keeps DDP's first bucket layout. Otherwise DDP rebuilds its buckets
+        # after the first synced step, in the order the gradients arrived: a resumed run's first
+        # step would reduce in the old layout where the uninterrupted run used the new one, and at
+        # 3+ ranks the ring all-reduce's summation order follows the layout (last bits differ).
+        # The price: a walk of the autograd graph per step, and a one-time warning on each rank.
+        model = DistributedDataParallel(model, device_ids=[topo.device.index] if topo.device.type == "cuda" else None,
+                                        find_unused_parameters=True)
     return model
 
 
