@@ -7,11 +7,10 @@ pushed towards 1 by a Newton-Schulz iteration) and scaled to the RMS an AdamW up
 one `learning_rate` and `weight_decay` serve both halves.
 
 Under FSDP2 each rank holds a dim-0 slice of each matrix, and Newton-Schulz needs the whole one.
-The matrices are dealt out in rounds over the n ranks of the shard group, matrix j of a round to
-rank j: one all-to-all sends every rank's slices to the owners, each owner orthogonalises its
-matrix once, a second all-to-all sends the slices back. Replicated matrices (NO_SHARD, DDP) skip
-the first exchange (the owner holds the whole matrix) and get the result whole from the second.
-Under HYBRID_SHARD each replica's shard group does this for its replica.
+Each matrix is orthogonalised once per step, by one rank: the matrices are dealt out in rounds
+over all the ranks that share them (MatrixExchange), the slices sent to the owner and back by
+all-to-alls in the shard group, and replicas (HYBRID_SHARD, NO_SHARD, DDP) each take a share
+of the round and all-gather the results.
 """
 import math
 
@@ -41,6 +40,21 @@ def orthogonalise(g: torch.Tensor) -> torch.Tensor:
     return (x.T if tall else x).to(g.dtype)
 
 
+def newton_schulz_flops(shape: torch.Size) -> int:
+    """FLOPs of orthogonalise() on one matrix: per iteration X X^T, gram @ gram and (...) @ X."""
+    m, n = sorted(shape)
+    return NS_STEPS * (4 * m * m * n + 2 * m ** 3)
+
+
+def newton_schulz_share(model: torch.nn.Module, tokens_per_step: int, group: int = 1, ranks: int = 1) -> float:
+    """Muon's extra compute, which does not grow with the batch: the busiest rank's Newton-Schulz
+    FLOPs per step (matrix k goes to rank k % group of each group that shares the matrices) over
+    its share of the step's training FLOPs (split over all ranks)."""
+    ns = [newton_schulz_flops(p.shape) for p in model.blocks.parameters() if p.dim() == 2]
+    busiest = max(sum(ns[j::group]) for j in range(group))
+    return busiest / (model.flops_per_token() * tokens_per_step / ranks)
+
+
 def rms_matching_scale(shape: torch.Size) -> float:
     """An orthogonal (rows, cols) matrix has RMS 1/sqrt(max(rows, cols)), an AdamW update about
     0.2 (Moonlight, arXiv:2502.16982): with this scale Muon takes AdamW's learning rate and decay."""
@@ -52,51 +66,82 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class MatrixExchange:
-    """Which ranks share the Muon matrices, who holds which rows, and a round's two all-to-alls."""
+    """Who shares the Muon matrices: the shard group (each rank a dim-0 slice of every matrix) and
+    the replica group (ranks holding the same slices: HYBRID_SHARD's replicas, NO_SHARD, DDP).
+
+    A round takes up to shards x replicas matrices: replica r's shard group orthogonalises the
+    round's r-th share, matrix j of it on shard rank j (all-to-all of the slices to that owner
+    and back), then the replicas exchange their shares' slices (an all-gather).
+    """
 
     def __init__(self, sample: torch.Tensor):
-        group, self.sharded = dist.group.WORLD, False  # plain tensors: replicated by DDP, or one process
+        self.shard_group = self.replica_group = None  # None: a group of one
         if isinstance(sample, DTensor):
-            mesh, placements = sample.device_mesh, sample.placements
-            wide = [d for d in range(mesh.ndim) if mesh.size(d) > 1]
-            sharded = [d for d in wide if placements[d].is_shard(0)]
-            self.sharded = bool(sharded)
-            group = mesh.get_group((sharded or wide)[0]) if wide else None
-        self.group = group if group is not None and dist.get_world_size(group) > 1 else None
-        self.size = dist.get_world_size(self.group) if self.group else 1
-        self.rank = dist.get_rank(self.group) if self.group else 0
+            mesh = sample.device_mesh
+            for d, placement in enumerate(sample.placements):
+                if mesh.size(d) > 1:
+                    if placement.is_shard(0):
+                        self.shard_group = mesh.get_group(d)
+                    else:
+                        self.replica_group = mesh.get_group(d)
+        elif dist.get_world_size() > 1:  # a plain tensor on several ranks: DDP's replicas
+            self.replica_group = dist.group.WORLD
+        self.shards, self.shard_rank = _size_and_rank(self.shard_group)
+        self.replicas, self.replica_rank = _size_and_rank(self.replica_group)
+        self.round = self.shards * self.replicas
 
-    def rows(self, shape: torch.Size, k: int) -> tuple[int, int]:
-        """(offset, rows) of a matrix that rank k of the group holds."""
-        return dim0_shard(shape[0], self.size, k) if self.sharded else (0, shape[0])
+    def orthogonalised(self, slices: list[torch.Tensor], shapes: list[torch.Size], device: torch.device) -> list[torch.Tensor]:
+        """This rank's slices of up to `round` matrices -> its slices of them orthogonalised."""
+        first = self.replica_rank * self.shards
+        share = self._in_shard_group(slices[first:first + self.shards], shapes[first:first + self.shards], device)
+        return self._across_replicas(share, shapes, like=slices[0])
 
-    def _exchange(self, parts: list[torch.Tensor], receive_counts: list[int], like: torch.Tensor) -> torch.Tensor:
-        """parts[k] to rank k, receive_counts[k] elements from rank k (both padded with nothing)."""
-        parts = parts + [like.new_empty(0)] * (self.size - len(parts))
-        receive_counts = receive_counts + [0] * (self.size - len(receive_counts))
+    def _rows(self, shape: torch.Size, k: int) -> int:
+        return dim0_shard(shape[0], self.shards, k)[1]
+
+    def _in_shard_group(self, slices: list[torch.Tensor], shapes: list[torch.Size], device: torch.device) -> list[torch.Tensor]:
+        if not shapes:  # a short last round leaves this replica nothing to do
+            return []
+        own = shapes[self.shard_rank] if self.shard_rank < len(shapes) else None
+        # the slices of matrix j to its owner, shard rank j: each owner receives its matrix whole
+        counts = [self._rows(own, k) * own[1] for k in range(self.shards)] if own is not None else []
+        received = self._all_to_all(slices, counts, like=slices[0])
+        whole = orthogonalise(received.view(own).to(device)).to(received.device) if own is not None else None
+        # and back: rank k receives its rows of every matrix of the share
+        parts = [] if whole is None else list(whole.split([self._rows(own, k) for k in range(self.shards)]))
+        rows = [self._rows(shape, self.shard_rank) for shape in shapes]
+        counts = [n * shape[1] for n, shape in zip(rows, shapes)]
+        back = self._all_to_all(parts, counts, like=slices[0])
+        return [piece.view(n, shape[1]) for piece, n, shape in zip(back.split(counts), rows, shapes)]
+
+    def _all_to_all(self, parts: list[torch.Tensor], receive_counts: list[int], like: torch.Tensor) -> torch.Tensor:
+        """parts[k] to shard rank k, receive_counts[k] elements from it (missing ones: nothing)."""
+        if self.shards == 1:
+            return parts[0].reshape(-1) if parts else like.new_empty(0)
+        parts = parts + [like.new_empty(0)] * (self.shards - len(parts))
+        receive_counts = receive_counts + [0] * (self.shards - len(receive_counts))
         received = like.new_empty(sum(receive_counts))
         dist.all_to_all_single(received, torch.cat([p.reshape(-1) for p in parts]), receive_counts,
-                               [p.numel() for p in parts], group=self.group)
+                               [p.numel() for p in parts], group=self.shard_group)
         return received
 
-    def to_owners(self, slices: list[torch.Tensor], shapes: list[torch.Size]) -> torch.Tensor | None:
-        """This rank's slices of a round's matrices -> the whole matrix this rank owns (or None)."""
-        own = shapes[self.rank] if self.rank < len(shapes) else None
-        if not self.sharded:
-            return None if own is None else slices[self.rank]
-        counts = [] if own is None else [self.rows(own, k)[1] * own[1] for k in range(self.size)]
-        received = self._exchange(slices, counts, like=slices[0])
-        return None if own is None else received.view(own)
+    def _across_replicas(self, share: list[torch.Tensor], shapes: list[torch.Size], like: torch.Tensor) -> list[torch.Tensor]:
+        if self.replicas == 1:
+            return share
+        # replica r's share: this rank's rows of matrices r*shards .. (r+1)*shards - 1, padded alike
+        counts = [self._rows(shape, self.shard_rank) * shape[1] for shape in shapes]
+        totals = [sum(counts[r * self.shards:(r + 1) * self.shards]) for r in range(self.replicas)]
+        send = like.new_zeros(max(totals))
+        if share:
+            send[:totals[self.replica_rank]] = torch.cat([t.reshape(-1) for t in share])
+        gathered = like.new_empty(self.replicas * len(send))
+        dist.all_gather_single(gathered, send, group=self.replica_group)
+        flat = torch.cat([gathered[r * len(send):r * len(send) + totals[r]] for r in range(self.replicas)])
+        return [piece.view(-1, shape[1]) for piece, shape in zip(flat.split(counts), shapes)]
 
-    def from_owners(self, whole: torch.Tensor | None, shapes: list[torch.Size], like: torch.Tensor) -> list[torch.Tensor]:
-        """The matrix this rank owns, updated -> this rank's slice of each matrix of the round."""
-        if self.size == 1:
-            return [whole]
-        parts = [] if whole is None else [whole[o:o + n] for o, n in (self.rows(whole.shape, k) for k in range(self.size))]
-        rows = [self.rows(shape, self.rank)[1] for shape in shapes]
-        counts = [n * shape[1] for n, shape in zip(rows, shapes)]
-        received = self._exchange(parts, counts, like)
-        return [piece.view(n, shape[1]) for piece, n, shape in zip(received.split(counts), rows, shapes)]
+
+def _size_and_rank(group) -> tuple[int, int]:
+    return (dist.get_world_size(group), dist.get_rank(group)) if group is not None else (1, 0)
 
 
 class MuonWithAdamW(torch.optim.Optimizer):
@@ -110,7 +155,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
         super().__init__(groups, dict(lr=lr, weight_decay=0.0))
         self.device = device
         matrices = [p for g in self.param_groups if g["muon"] for p in g["params"]]
-        self.exchange = MatrixExchange(matrices[0]) if matrices else None
+        self.exchange = MatrixExchange(matrices[0])  # every GPT has block matrices
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -141,14 +186,10 @@ class MuonWithAdamW(torch.optim.Optimizer):
             buf, grad, mu = _local(self.state[p]["momentum_buffer"]), _local(p.grad), group["momentum"]
             buf.lerp_(grad, 1 - mu)
             updates.append(grad.lerp(buf, mu))
-        n = self.exchange.size if self.exchange else 1
-        for start in range(0, len(matrices), n):
-            batch, slices = matrices[start:start + n], updates[start:start + n]
-            shapes = [p.shape for p, _ in batch]
-            whole = self.exchange.to_owners(slices, shapes)
-            if whole is not None:  # this rank owns one matrix of the round: orthogonalise it, once
-                whole = orthogonalise(whole.to(self.device)).to(whole.device)
-            for (p, group), update in zip(batch, self.exchange.from_owners(whole, shapes, like=slices[0])):
+        for start in range(0, len(matrices), self.exchange.round):
+            batch = matrices[start:start + self.exchange.round]
+            slices = updates[start:start + self.exchange.round]
+            for (p, group), update in zip(batch, self.exchange.orthogonalised(slices, [p.shape for p, _ in batch], self.device)):
                 weight = _local(p)
                 weight.mul_(1 - group["lr"] * group["weight_decay"])
                 weight.add_(update, alpha=-group["lr"] * rms_matching_scale(p.shape))

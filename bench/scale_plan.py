@@ -6,7 +6,7 @@ Per rank, under FULL_SHARD (one shard group of all ranks) and HYBRID_SHARD (shar
 fsdp_size, default one node, replicated across them): parameters, gradients and optimizer state
 (AdamW: two moments; optimizer: muon, one momentum for the blocks' matrices); the bytes each
 rank sends per optimizer step (all-gathers, reduce-scatters, HYBRID's all-reduce across
-replicas, Muon's exchange of the matrices); the sharded checkpoint's size, the time to write and to read it at
+replicas, Muon's exchanges of the matrices); the sharded checkpoint's size, the time to write and to read it at
 the filesystem's aggregate bandwidth (replica groups past the first receive their slices over
 the network instead), the rank files each rank opens on resume and the index's size. Ring
 collectives: a rank sends (n-1)/n of the gathered or reduced bytes, an all-reduce twice that. The rank with the most rows is shown (rank 0: FSDP2 splits dim 0 like torch.chunk).
@@ -24,16 +24,21 @@ from ckpt_format import dim0_shard  # noqa: E402
 from ckpt_index import build_index, files_to_open, model_key, state_key, wanted_rows  # noqa: E402
 from config import UserError, exit_code, parse_args  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
+from muon import newton_schulz_share  # noqa: E402
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "auto": 2}  # auto: bf16 on the GPUs this plans for
 ADAMW_MOMENTS = ("exp_avg", "exp_avg_sq")
 GB = 1e9
 
 
+def meta_model(cfg) -> GPT:
+    with torch.device("meta"):
+        return GPT(GPTConfig(**cfg.model_shape))
+
+
 def units(cfg) -> list[list[tuple[str, torch.Size]]]:
     """The FSDP units' (name, shape) lists: each DecoderBlock, then the root (embeddings, final norm)."""
-    with torch.device("meta"):
-        model = GPT(GPTConfig(**cfg.model_shape))
+    model = meta_model(cfg)
     blocks = [[(f"blocks.{i}.{n}", p.shape) for n, p in block.named_parameters()] for i, block in enumerate(model.blocks)]
     in_blocks = {name for unit in blocks for name, _ in unit}
     return blocks + [[(n, p.shape) for n, p in model.named_parameters() if n not in in_blocks]]
@@ -55,7 +60,8 @@ def optimizer_state(cfg, name: str, shape: torch.Size) -> tuple[str, ...]:
 class Plan:
     def __init__(self, cfg, gpus: int, shard: int):
         self.cfg, self.gpus, self.shard, self.replicas = cfg, gpus, shard, gpus // shard
-        self.units = units(cfg)
+        self.units, self.model = units(cfg), meta_model(cfg)
+        self.tokens = cfg.train_batch * cfg.block_size  # per optimizer step
         self.params = [p for unit in self.units for p in unit]
         self.numel = sum(shape.numel() for _, shape in self.params)
         self.micro_steps = cfg.train_batch // (cfg.micro_batch * gpus)
@@ -80,12 +86,15 @@ class Plan:
         root), one reduce-scatter in the reduce dtype, HYBRID's all-reduce of the shards, and with
         Muon the fp32 slices of the matrices to their owners and back (two all-to-alls)."""
         cfg, n, r = self.cfg, self.shard, self.replicas
-        matrices = sum(shape.numel() for name, shape in self.params if is_muon_matrix(cfg, name, shape))
+        matrices = 4 * sum(shape.numel() for name, shape in self.params if is_muon_matrix(cfg, name, shape))
+        # a replica's share (1/r of the matrices): slices to their owners and back in the shard
+        # group; then every rank's slices all-gathered across the replicas
+        muon_exchange = 2 * matrices / r / n * (n - 1) / n + matrices / n * (r - 1) / r
         regathered = sum(shape.numel() for unit in self.units[:-2] for _, shape in unit)  # root last, last block before it
         gathers = self.micro_steps * (self.numel + regathered) * BYTES[cfg.dtype]
         reduced = self.numel * BYTES[cfg.reduce_dtype]
         return {"all-gather": gathers * (n - 1) / n, "reduce-scatter": reduced * (n - 1) / n,
-                "all-reduce": 2 * (r - 1) / r * reduced / n, "muon exchange": 2 * 4 * matrices / n * (n - 1) / n}
+                "all-reduce": 2 * (r - 1) / r * reduced / n, "muon exchange": muon_exchange}
 
     def index(self) -> dict:
         """The sharded checkpoint's index as ckpt_index builds it: replica group 0 writes the rows."""
@@ -122,7 +131,8 @@ def column(plan: Plan, bandwidth: float) -> dict:
         "all-gather GB sent per rank per step": f"{sent['all-gather'] / GB:.3f}",
         "reduce-scatter GB sent per rank per step": f"{sent['reduce-scatter'] / GB:.3f}",
         "all-reduce GB sent per rank per step": f"{sent['all-reduce'] / GB:.3f}",
-        **({"muon exchange GB sent per rank per step": f"{sent['muon exchange'] / GB:.3f}"}
+        **({"muon exchange GB sent per rank per step": f"{sent['muon exchange'] / GB:.3f}",
+            "Newton-Schulz FLOPs / training FLOPs, busiest rank": f"{newton_schulz_share(plan.model, plan.tokens, plan.gpus, plan.gpus):.2e}"}
            if plan.cfg.optimizer == "muon" else {}),
         "sharded checkpoint GB (each row once)": f"{size / GB:.2f}",
         f"write s at {bandwidth:g} GB/s": f"{size / GB / bandwidth:.1f}",

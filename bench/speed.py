@@ -27,6 +27,7 @@ from config import parse_args  # noqa: E402
 from data import prepare_data  # noqa: E402
 from loader import BatchLoader  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
+from muon import newton_schulz_share  # noqa: E402
 
 DEMO = os.path.join(ROOT, "config", "demo_cpu.yaml")
 WIDTH = 256
@@ -149,6 +150,10 @@ def bench_loader(workdir: str) -> None:
 
 def bench_muon(rounds: int, workdir: str) -> None:
     """Step time is 1 / tokens/s at a fixed batch: muon's cost is adamw's rate over muon's."""
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=256, **shape()))
+    print(f"Newton-Schulz adds {newton_schulz_share(model, BATCH * shape()['block_size']):.1%} to a step's "
+          f"training FLOPs at this batch ({BATCH} x {shape()['block_size']} tokens)", flush=True)
     for nproc in (1, 2):
         ratios = []
         for _ in range(rounds):

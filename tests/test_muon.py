@@ -83,7 +83,7 @@ LAYOUTS = {  # name: (ranks, settings)
     "NO_SHARD": (4, dict(sharding_strategy="NO_SHARD")),
     "HYBRID_SHARD": (4, dict(sharding_strategy="HYBRID_SHARD", fsdp_size=2)),
     "FULL_SHARD_3": (3, dict(sharding_strategy="FULL_SHARD")),  # 8 matrices in rounds of 3: an idle owner
-    "DDP": (2, dict(fsdp=False, checkpoint_type="full")),
+    "DDP": (3, dict(fsdp=False, checkpoint_type="full")),  # rounds of 3 again: a replica with no share
     "OFFLOAD": (2, dict(cpu_offload=True, checkpoint_type="sharded")),
 }
 
