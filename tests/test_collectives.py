@@ -26,11 +26,12 @@ def test_one_gradient_reduction_per_unit_per_step(strategy, collective, corpus, 
     assert all(name.startswith(collective) for name in counts), counts
 
 
-def test_no_host_sync_in_steps_that_do_not_log_eval_or_save(corpus, tmp_path):
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_no_host_sync_in_steps_that_do_not_log_eval_or_save(optimizer, corpus, tmp_path):
     probe = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
              os.path.join(ROOT, "tests", "sync_probe.py")]
     result = run_trainer(str(tmp_path), launcher=probe, max_iters=8, log_interval=4, eval_interval=4,
-                         save_interval=4, **corpus)
+                         save_interval=4, optimizer=optimizer, **corpus)
     syncs = {int(step): n for step, n in json.loads(result.stdout.strip().splitlines()[-1]).items()}
     assert all(syncs[step] > 0 for step in (4, 8)), syncs  # the counter sees the log's .item()
     assert all(syncs[step] == 0 for step in (1, 2, 3, 5, 6, 7)), syncs

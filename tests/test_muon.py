@@ -122,12 +122,17 @@ def test_checkpoints_hold_the_momentum_and_resume_bitwise(layout, kind, runs, co
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc, settings", [(1, {}), (4, dict(sharding_strategy="FULL_SHARD"))])
-def test_sharded_momentum_reshards(nproc, settings, runs, corpus, tmp_path):
-    """2-rank shards (offloaded) -> 1 process or 4 ranks: the run continues as it went on 2."""
-    offload_ranks, offload_settings = LAYOUTS["OFFLOAD"]
-    original = runs("OFFLOAD", offload_ranks, **offload_settings)
-    path = checkpoint_of(original, "sharded", 3, rank=0)
+@pytest.mark.parametrize("source, kind, nproc, settings", [
+    ("OFFLOAD", "sharded", 1, {}),
+    ("OFFLOAD", "sharded", 4, dict(sharding_strategy="FULL_SHARD")),
+    ("DDP", "full", 4, dict(sharding_strategy="HYBRID_SHARD", fsdp_size=2)),
+])
+def test_momentum_reshards(source, kind, nproc, settings, runs, corpus, tmp_path):
+    """2-rank shards (offloaded) -> 1 process or 4 ranks; 3 DDP ranks' full file -> HYBRID 2 x 2:
+    the run continues as it went."""
+    source_ranks, source_settings = LAYOUTS[source]
+    original = runs(source, source_ranks, **source_settings)
+    path = checkpoint_of(original, kind, 3, rank=0)
     run_trainer(str(tmp_path), nproc=nproc, resume_from=path, **(MUON | corpus | settings))
     got, expected = logged(str(tmp_path))["train/loss"], logged(original)["train/loss"]
     assert sorted(got) == [4, 5, 6]
