@@ -96,11 +96,14 @@ def load_file(path: str, mmap: bool = False) -> dict:
     return obj
 
 
-def check_model_shape(path: str, saved: dict, cfg) -> None:
+def check_model_shape(source: str, saved: dict, cfg, action: str = "resume it") -> None:
+    """The model the config builds must be the one `source` holds (keys a checkpoint lacks,
+    written before they existed, take GPTConfig's defaults: the GPT-2 layout)."""
+    theirs, ours = GPTConfig(**saved), GPTConfig(**cfg.model_shape)
     for key in MODEL_SHAPE_KEYS:
-        if saved.get(key) != getattr(cfg, key):
-            raise UserError(f"checkpoint {path} has {key}={saved.get(key)} but the config has {key}="
-                            f"{getattr(cfg, key)}: set --{key}={saved.get(key)} to resume it")
+        if getattr(theirs, key) != getattr(ours, key):
+            raise UserError(f"{source} has {key}={getattr(theirs, key)} but the config has {key}="
+                            f"{getattr(ours, key)}: set --{key}={getattr(theirs, key)} to {action}")
 
 
 def dim0_shard(rows: int, n: int, i: int) -> tuple[int, int]:

@@ -29,7 +29,9 @@ def exit_code(body: typing.Callable[[], int | None]) -> int:
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
 DTYPES = ("auto", "bf16", "fp16", "fp32")
 OPTIMIZERS = ("adamw", "muon")
-MODEL_SHAPE_KEYS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "bias")
+MODEL_SHAPE_KEYS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "bias", "arch", "n_kv_head",
+                    "rope_theta", "qk_norm", "tie_embeddings", "ffn_hidden", "norm_eps")
+ARCHS = ("gpt2", "llama")
 
 
 @dataclass
@@ -41,7 +43,15 @@ class TrainConfig:
     n_head: int = 12
     n_embd: int = 768
     dropout: float = 0.0
-    bias: bool = True
+    bias: bool = True  # gpt2 only: llama has none
+    arch: str = "gpt2"  # or llama: RMSNorm, RoPE, SwiGLU, grouped-query attention (model.py)
+    n_kv_head: int | None = None  # llama: key/value heads; None: n_head
+    rope_theta: float = 10000.0
+    qk_norm: bool = False  # llama: RMSNorm of q and k per head (Qwen3)
+    tie_embeddings: bool | None = None  # None: tied for gpt2, untied for llama
+    ffn_hidden: int | None = None  # MLP width; None: 4 n_embd (gpt2), 8/3 n_embd rounded up to 256 (llama)
+    norm_eps: float = 1e-5
+    init_from: str | None = None  # a Hugging Face folder (GPT-2, Llama, Qwen3 safetensors) to start from
     # data
     data_path: str = "data/stdlib_bytes"
     data_source: str | list | None = "stdlib"
@@ -181,6 +191,20 @@ def validate(cfg: TrainConfig) -> None:
     require(cfg.sample_tokens >= 0, f"sample_tokens must be 0 or more, got {cfg.sample_tokens}")
     require(cfg.n_embd % cfg.n_head == 0,
             f"n_head={cfg.n_head} must divide n_embd={cfg.n_embd}: pick n_embd as a multiple of n_head")
+    require(cfg.arch in ARCHS, f"arch '{cfg.arch}' is not one of {', '.join(ARCHS)}")
+    if cfg.arch == "gpt2":
+        require(cfg.n_kv_head in (None, cfg.n_head) and not cfg.qk_norm and cfg.tie_embeddings in (None, True),
+                "n_kv_head, qk_norm and tie_embeddings: false need arch: llama (GPT-2 has none of them)")
+    else:
+        require(cfg.n_kv_head is None or (cfg.n_kv_head > 0 and cfg.n_head % cfg.n_kv_head == 0),
+                f"n_kv_head={cfg.n_kv_head} must divide n_head={cfg.n_head} (each key/value head serves "
+                f"n_head / n_kv_head query heads)")
+        require((cfg.n_embd // cfg.n_head) % 2 == 0,
+                f"head dimension n_embd / n_head = {cfg.n_embd // cfg.n_head} must be even for RoPE")
+    require(cfg.rope_theta > 0, f"rope_theta must be positive, got {cfg.rope_theta}")
+    require(cfg.ffn_hidden is None or cfg.ffn_hidden > 0, f"ffn_hidden must be positive, got {cfg.ffn_hidden}")
+    if cfg.tie_embeddings is None:
+        cfg.tie_embeddings = cfg.arch == "gpt2"
     require(cfg.train_batch % cfg.micro_batch == 0,
             f"micro_batch={cfg.micro_batch} must divide train_batch={cfg.train_batch}")
     require(cfg.sharding_strategy in STRATEGIES,

@@ -1,4 +1,5 @@
-"""Export a checkpoint as a Hugging Face GPT-2 folder (needs `pip install transformers`).
+"""Export a checkpoint as a Hugging Face folder (needs `pip install transformers`): GPT2LMHeadModel
+for arch gpt2, LlamaForCausalLM for llama, Qwen3ForCausalLM for llama with qk_norm.
 
 python export_hf.py CHECKPOINT OUT_DIR
 
@@ -15,27 +16,8 @@ import torch
 from config import UserError, exit_code
 from data import get_tokenizer
 from ckpt_format import read_model
+from hf_format import hf_architecture, hf_config, to_hf
 from model import GPTConfig
-
-# model.GPT uses nn.Linear (out, in); GPT-2's Conv1D stores the transpose (in, out)
-CONV1D_SUFFIXES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-
-
-def hf_state_dict(state: dict, cfg: GPTConfig) -> dict:
-    """model.GPT names and layouts -> GPT2LMHeadModel's."""
-    out = {}
-    for name, tensor in state.items():
-        if name.endswith(CONV1D_SUFFIXES):
-            tensor = tensor.t()
-        hf_name = "lm_head.weight" if name == "lm_head.weight" else "transformer." + name.replace("blocks.", "h.")
-        out[hf_name] = tensor.contiguous()
-    if not cfg.bias:  # GPT-2 always has biases: zeros compute the same as none
-        for name, tensor in list(out.items()):
-            if name.endswith(("ln_1.weight", "ln_2.weight", "ln_f.weight", "c_attn.weight", "c_proj.weight",
-                              "c_fc.weight")):
-                out[name.removesuffix("weight") + "bias"] = torch.zeros(tensor.shape[-1])  # the output width
-    return out
-
 
 def oniguruma_pattern(pattern: str) -> str:
     r"""tiktoken's regex for the tokenizers library: Oniguruma reads a possessive `{1,3}+` as a
@@ -76,22 +58,18 @@ def save_tokenizer(encoding, out_dir: str) -> bool:
 
 def export(checkpoint: str, out_dir: str) -> None:
     try:
-        from transformers import GPT2Config, GPT2LMHeadModel
+        from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError:
         raise UserError("export_hf.py needs transformers: pip install transformers")
     ckpt, state = read_model(checkpoint)
     cfg = GPTConfig(**ckpt["model_config"])
     tokenizer = get_tokenizer(ckpt["config"]["tokenizer"])
-    hf_config = GPT2Config(
-        vocab_size=cfg.vocab_size, n_positions=cfg.block_size, n_embd=cfg.n_embd, n_layer=cfg.n_layer,
-        n_head=cfg.n_head, n_inner=4 * cfg.n_embd, activation_function="gelu_new", layer_norm_epsilon=1e-5,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True,
-        bos_token_id=tokenizer.eot_token, eos_token_id=tokenizer.eot_token)
-    model = GPT2LMHeadModel(hf_config)
-    model.load_state_dict(hf_state_dict(state, cfg))
+    keys = hf_config(cfg, tokenizer.eot_token)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(keys.pop("model_type"), **keys))
+    model.load_state_dict(to_hf(state, cfg))
     model.save_pretrained(out_dir)
     files = "config.json, model.safetensors" + (", tokenizer files" if save_tokenizer(tokenizer, out_dir) else "")
-    print(f"wrote {out_dir}/ ({files}) from {checkpoint}, step {ckpt['step']}")
+    print(f"wrote {out_dir}/ ({hf_architecture(cfg)}: {files}) from {checkpoint}, step {ckpt['step']}")
     if files.endswith("safetensors"):
         print(f"no tokenizer files: '{ckpt['config']['tokenizer']}' has no Hugging Face equivalent")
 

@@ -209,7 +209,7 @@ class CheckpointManager:
     def _load_full(self, path: str, model, optimizer) -> int:
         def read():
             ckpt = load_file(path)
-            check_model_shape(path, ckpt["model_config"], self.cfg)
+            check_model_shape(f"checkpoint {path}", ckpt["model_config"], self.cfg)
             return ckpt
         ckpt = agree(read if self.topo.is_main else dict)
         step = [ckpt.get("step")]
@@ -282,7 +282,7 @@ class CheckpointManager:
             files = open_rank_files(directory, step, ranks)
             for r, f in zip(ranks, files):
                 check_file(index, f, r, shard_path(directory, step, r))
-        check_model_shape(shard_path(directory, step, files[0]["rank"]), files[0]["model_config"], self.cfg)
+        check_model_shape(f"checkpoint {shard_path(directory, step, files[0]['rank'])}", files[0]["model_config"], self.cfg)
         return files
 
 

@@ -1,8 +1,11 @@
-"""A GPT-2 style decoder in plain PyTorch: no distributed code lives here.
+"""A decoder in plain PyTorch, in two layouts: no distributed code lives here.
 
-The layout and names follow GPT-2 (pre-norm blocks, tanh GELU, learned positions,
-LM head tied to the token embedding) so a checkpoint maps one to one onto Hugging
-Face's GPT2LMHeadModel.
+arch "gpt2": pre-norm blocks, LayerNorm, tanh GELU, learned positions, LM head tied to the
+token embedding; maps one to one onto Hugging Face's GPT2LMHeadModel.
+arch "llama": RMSNorm, rotary positions (RoPE, the rotate_half convention), SwiGLU MLP,
+grouped-query attention, no biases, optionally RMSNorm of q and k per head (qk_norm); maps
+onto LlamaForCausalLM (Qwen3ForCausalLM with qk_norm).
+The two share one attention, one block and one model: the options are in GPTConfig.
 """
 import math
 from dataclasses import dataclass
@@ -21,27 +24,74 @@ class GPTConfig:
     n_head: int = 12
     n_embd: int = 768
     dropout: float = 0.0
-    bias: bool = True
+    bias: bool = True  # gpt2 only: llama has no biases
+    arch: str = "gpt2"
+    n_kv_head: int | None = None  # llama: key/value heads (grouped-query attention); None: n_head
+    rope_theta: float = 10000.0
+    qk_norm: bool = False
+    tie_embeddings: bool = True
+    ffn_hidden: int | None = None  # None: 4 n_embd (gpt2); llama: 8/3 n_embd rounded up to 256
+    norm_eps: float = 1e-5
+
+    def __post_init__(self):
+        self.n_kv_head = self.n_kv_head or self.n_head
+        if self.arch == "llama":
+            self.bias = False
+        if self.ffn_hidden is None:
+            self.ffn_hidden = 4 * self.n_embd if self.arch == "gpt2" else 256 * -(-(8 * self.n_embd // 3) // 256)
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+
+def norm(cfg: GPTConfig, width: int) -> nn.Module:
+    if cfg.arch == "gpt2":
+        return nn.LayerNorm(width, eps=cfg.norm_eps, bias=cfg.bias)
+    return nn.RMSNorm(width, eps=cfg.norm_eps)
+
+
+def rotary(cfg: GPTConfig, T: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin (T, head_dim) of RoPE: pair i of a head turns at theta^(-2i/head_dim) per position.
+    Computed in fp32 per forward (cheap): no buffer to move off the meta device."""
+    inv_freq = cfg.rope_theta ** (-torch.arange(0, cfg.head_dim, 2, device=device, dtype=torch.float32) / cfg.head_dim)
+    angles = torch.outer(torch.arange(T, device=device, dtype=torch.float32), inv_freq)
+    angles = torch.cat((angles, angles), dim=-1)  # rotate_half pairs dimension i with i + head_dim/2
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (B, heads, T, head_dim) rotated: x cos + rotate_half(x) sin."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
 
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.n_head = cfg.n_head
-        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, cfg.head_dim
+        # q, k, v in one matmul: n_head query heads, n_kv_head key and value heads
+        self.c_attn = nn.Linear(cfg.n_embd, (cfg.n_head + 2 * cfg.n_kv_head) * cfg.head_dim, bias=cfg.bias)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        if cfg.qk_norm:  # Qwen3: RMSNorm of each head's q and k, before the rotation
+            self.ln_q, self.ln_k = norm(cfg, cfg.head_dim), norm(cfg, cfg.head_dim)
         self.dropout = cfg.dropout
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        # (B, T, C) -> (B, n_head, T, head_dim)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        q, k, v = self.c_attn(x).split([self.n_head * self.head_dim] + [self.n_kv_head * self.head_dim] * 2, dim=2)
+        # (B, T, heads * head_dim) -> (B, heads, T, head_dim)
+        q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        k, v = (t.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2) for t in (k, v))
+        if hasattr(self, "ln_q"):
+            q, k = self.ln_q(q), self.ln_k(k)
+        if rope is not None:
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         # SDPA picks flash / memory-efficient kernels on GPU, a fused math kernel on CPU
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
+                                           enable_gqa=self.n_kv_head != self.n_head)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -49,11 +99,16 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
-        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.swiglu = cfg.arch == "llama"
+        # SwiGLU: gate and up projections in one matmul
+        self.c_fc = nn.Linear(cfg.n_embd, (2 if self.swiglu else 1) * cfg.ffn_hidden, bias=cfg.bias)
+        self.c_proj = nn.Linear(cfg.ffn_hidden, cfg.n_embd, bias=cfg.bias)
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            gate, up = self.c_fc(x).chunk(2, dim=-1)
+            return self.dropout(self.c_proj(F.silu(gate) * up))
         # tanh GELU is GPT-2's "gelu_new": keeps exported logits identical
         return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))
 
@@ -61,13 +116,13 @@ class MLP(nn.Module):
 class DecoderBlock(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.ln_1 = norm(cfg, cfg.n_embd)
         self.attn = CausalSelfAttention(cfg)
-        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.ln_2 = norm(cfg, cfg.n_embd)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), rope)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -76,10 +131,11 @@ class GPT(nn.Module):
         super().__init__()
         self.config = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        if cfg.arch == "gpt2":  # learned positions; llama rotates q and k instead
+            self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(DecoderBlock(cfg) for _ in range(cfg.n_layer))
-        self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.ln_f = norm(cfg, cfg.n_embd)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.tie_weights()
         # recompute each block's activations in backward instead of storing them
@@ -88,9 +144,10 @@ class GPT(nn.Module):
             self.init_weights()
 
     def tie_weights(self) -> None:
-        """One matrix embeds tokens and scores them (GPT-2). Moving a module off the meta device
-        (to_empty) makes each module a new parameter, so this is redone after it."""
-        self.lm_head.weight = self.wte.weight
+        """One matrix embeds tokens and scores them (GPT-2; tie_embeddings). Moving a module off
+        the meta device (to_empty) makes each module a new parameter, so this is redone after it."""
+        if self.config.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -109,13 +166,18 @@ class GPT(nn.Module):
         """idx, targets: (B, T) token ids. Returns logits (B, T, vocab) and the mean loss."""
         B, T = idx.shape
         assert T <= self.config.block_size, f"sequence of {T} exceeds block_size {self.config.block_size}"
-        pos = torch.arange(T, device=idx.device)
-        x = self.drop(self.wte(idx) + self.wpe(pos))
+        x = self.wte(idx)
+        rope = None
+        if self.config.arch == "gpt2":
+            x = x + self.wpe(torch.arange(T, device=idx.device))
+        else:
+            rope = rotary(self.config, T, idx.device)
+        x = self.drop(x)
         for block in self.blocks:
             if self.activation_checkpointing and self.training:
-                x = checkpoint(block, x, use_reentrant=False)
+                x = checkpoint(block, x, rope, use_reentrant=False)
             else:
-                x = block(x)
+                x = block(x, rope)
         logits = self.lm_head(self.ln_f(x))
         loss = None
         if targets is not None:
@@ -124,7 +186,7 @@ class GPT(nn.Module):
 
     def num_params(self, exclude_position_embedding: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())  # tied weights counted once
-        return n - self.wpe.weight.numel() if exclude_position_embedding else n
+        return n - self.wpe.weight.numel() if exclude_position_embedding and hasattr(self, "wpe") else n
 
     def flops_per_token(self) -> int:
         """Training FLOPs per token: forward + backward = 3x the forward's matmuls.
@@ -134,7 +196,7 @@ class GPT(nn.Module):
         """
         cfg = self.config
         matmul_weights = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
-        attention = 4 * cfg.n_layer * cfg.block_size * cfg.n_embd
+        attention = 4 * cfg.n_layer * cfg.block_size * cfg.n_embd  # n_head x head_dim = n_embd, GQA or not
         return 3 * (2 * matmul_weights + attention)
 
     @torch.no_grad()

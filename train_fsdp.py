@@ -14,10 +14,12 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
+from ckpt_format import check_model_shape
 from config import UserError, parse_args, to_yaml
 from data import get_tokenizer, prepare_data
 from evaluate import val_loss_sums
 from fsdp_ckpt import CheckpointManager
+from hf_format import read_hf_folder
 from loader import BatchLoader
 from launch import STRATEGY_TABLE, Topology, agree, init_distributed, run_entry_point
 from metrics import ProgressLog, device_peak_flops, per_rank_memory
@@ -40,6 +42,16 @@ def autocast(cfg, device: torch.device, wrap: str):
     """Under FSDP, MixedPrecisionPolicy casts for the compute; otherwise autocast does."""
     dtype = compute_dtype(cfg, device)
     return torch.autocast(device.type, dtype=dtype, enabled=wrap != "fsdp" and dtype != torch.float32)
+
+
+def initial_state(cfg, gpt_cfg: GPTConfig) -> dict:
+    """The full starting weights: a Hugging Face folder's (init_from), or the seed's."""
+    if cfg.init_from:
+        keys, state = read_hf_folder(cfg.init_from)
+        check_model_shape(f"init_from {cfg.init_from}", keys, cfg, action="start from it")
+        return state
+    torch.manual_seed(cfg.seed)
+    return GPT(gpt_cfg).state_dict()
 
 
 def build_model(cfg, gpt_cfg: GPTConfig, topo: Topology) -> torch.nn.Module:
@@ -67,12 +79,9 @@ def build_model(cfg, gpt_cfg: GPTConfig, topo: Topology) -> torch.nn.Module:
         fully_shard(model, **shard_args)  # the root: embeddings, final norm, tied LM head
     model.to_empty(device=param_device)
     model.tie_weights()
-    # Same seed, same weights for any world size: rank 0 alone builds the full model (host
-    # memory) and the weights are broadcast one tensor at a time into every rank's shards.
-    full_state = {}
-    if topo.is_main:
-        torch.manual_seed(cfg.seed)
-        full_state = GPT(gpt_cfg).state_dict()
+    # Same seed (or folder), same weights for any world size: rank 0 alone builds the full model
+    # (host memory) and the weights are broadcast one tensor at a time into every rank's shards.
+    full_state = agree(lambda: initial_state(cfg, gpt_cfg) if topo.is_main else {})
     set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     if topo.wrap == "ddp":
         # find_unused_parameters keeps DDP's first bucket layout. Otherwise DDP rebuilds its buckets

@@ -1,12 +1,15 @@
-"""Val loss of runs that differ in one config key, at equal steps (same data, batch, schedule, seed).
+"""Val loss of runs that differ in some config keys, at equal steps (same data, batch, schedule, seed).
 
     python bench/compare_runs.py config/demo_cpu.yaml --optimizer=adamw,muon [--key=value ...] [--nproc N]
+    python bench/compare_runs.py config/demo_cpu.yaml --arch=gpt2,llama --ffn_hidden=512,344
 
-The comma-separated key is the one varied; every other --key=value applies to all runs. Prints
-each run's val/loss at every eval step, its final value, and the first eval step at which each
-run reaches the first run's final val loss. Runs one after another, in bench/runs/compare/.
+Keys given comma-separated values vary together (run i takes the i-th value of each); every
+other --key=value applies to all runs. Prints each run's parameter count, its val/loss at every
+eval step, and the first eval step at which each run reaches the first run's final val loss.
+Runs one after another, in bench/runs/compare/.
 """
 import os
+import re
 import subprocess
 import sys
 import time
@@ -18,26 +21,31 @@ from config import UserError, exit_code  # noqa: E402
 from conftest import scalars  # noqa: E402
 
 
-def parse(argv: list[str]) -> tuple[str, str, list[str], list[str], int]:
-    """(config, varied key, its values, the other overrides, ranks)"""
+def parse(argv: list[str]) -> tuple[str, list[list[str]], list[str], int]:
+    """(config, each run's own overrides, the shared overrides, ranks)"""
     usage = "usage: python bench/compare_runs.py CONFIG --key=A,B [--key=value ...] [--nproc N]"
     if not argv or argv[0].startswith("--"):
         raise UserError(usage)
-    config, varied, others, nproc = argv[0], None, [], 1
+    config, varied, shared, nproc = argv[0], {}, [], 1
     for arg in argv[1:]:
         key, _, value = arg[2:].partition("=")
         if key == "nproc":
             nproc = int(value)
-        elif "," in value and varied is None:
-            varied = (key, value.split(","))
+        elif "," in value:
+            varied[key] = value.split(",")
         else:
-            others.append(arg)
-    if varied is None:
+            shared.append(arg)
+    if not varied:
         raise UserError(f"no key to vary: give one as --key=A,B. {usage}")
-    return config, varied[0], varied[1], others, nproc
+    counts = {len(values) for values in varied.values()}
+    if len(counts) > 1:
+        raise UserError(f"the varied keys need as many values each: {varied}")
+    runs = [[f"--{key}={values[i]}" for key, values in varied.items()] for i in range(counts.pop())]
+    return config, runs, shared, nproc
 
 
-def train(config: str, overrides: list[str], nproc: int, run_dir: str) -> dict[int, float]:
+def train(config: str, overrides: list[str], nproc: int, run_dir: str) -> tuple[dict[int, float], str]:
+    """(val/loss by step, the parameter count the trainer printed)"""
     launch = [sys.executable] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     cmd = launch + [os.path.join(ROOT, "train_fsdp.py"), os.path.abspath(config)] + overrides + [
@@ -46,8 +54,9 @@ def train(config: str, overrides: list[str], nproc: int, run_dir: str) -> dict[i
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if result.returncode:
         raise UserError(f"run failed: {' '.join(cmd)}\n{result.stderr[-2000:]}")
-    print(f"  {' '.join(overrides[:1])}: {time.perf_counter() - start:.0f} s", flush=True)
-    return scalars(os.path.join(run_dir, "tb"), "val/loss")
+    print(f"  {' '.join(overrides)}: {time.perf_counter() - start:.0f} s", flush=True)
+    params = re.search(r"^parameters: ([\d,]+)", result.stdout, re.MULTILINE).group(1)
+    return scalars(os.path.join(run_dir, "tb"), "val/loss"), params
 
 
 def first_step_reaching(losses: dict[int, float], target: float) -> str:
@@ -55,21 +64,22 @@ def first_step_reaching(losses: dict[int, float], target: float) -> str:
 
 
 def main(argv: list[str]) -> None:
-    config, key, values, others, nproc = parse(argv)
-    print(f"{time.strftime('%Y-%m-%d')}: {config} {' '.join(others)}, {nproc} rank(s), {key} in {values}", flush=True)
-    runs = {}
-    for value in values:
-        run_dir = os.path.join(ROOT, "bench", "runs", "compare", f"{key}={value}")
+    config, variants, shared, nproc = parse(argv)
+    names = [" ".join(v).replace("--", "") for v in variants]
+    print(f"{time.strftime('%Y-%m-%d')}: {config} {' '.join(shared)}, {nproc} rank(s)", flush=True)
+    runs, params = {}, {}
+    for name, overrides in zip(names, variants):
+        run_dir = os.path.join(ROOT, "bench", "runs", "compare", name.replace(" ", "_"))
         subprocess.run(["rm", "-rf", run_dir], check=True)  # a fresh log: no events of an older run
-        runs[value] = train(config, [f"--{key}={value}"] + others, nproc, run_dir)
-    print(f"| step | " + " | ".join(f"{key}={v}" for v in values) + " |")
-    print("| --- |" + " --- |" * len(values))
-    for step in sorted(runs[values[0]]):
-        print(f"| {step} | " + " | ".join(f"{runs[v].get(step, float('nan')):.4f}" for v in values) + " |")
-    target = runs[values[0]][max(runs[values[0]])]
-    for value in values:
-        print(f"{key}={value}: final val loss {runs[value][max(runs[value])]:.4f}, first eval step at or below "
-              f"{target:.4f} ({key}={values[0]}'s final): {first_step_reaching(runs[value], target)}")
+        runs[name], params[name] = train(config, overrides + shared, nproc, run_dir)
+    print("| step | " + " | ".join(f"{name} ({params[name]} parameters)" for name in names) + " |")
+    print("| --- |" + " --- |" * len(names))
+    for step in sorted(runs[names[0]]):
+        print(f"| {step} | " + " | ".join(f"{runs[n].get(step, float('nan')):.4f}" for n in names) + " |")
+    target = runs[names[0]][max(runs[names[0]])]
+    for name in names:
+        print(f"{name}: final val loss {runs[name][max(runs[name])]:.4f}, first eval step at or below "
+              f"{target:.4f} ({names[0]}'s final): {first_step_reaching(runs[name], target)}")
 
 
 if __name__ == "__main__":

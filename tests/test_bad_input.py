@@ -26,6 +26,11 @@ def assert_one_line_error(result, *phrases):
     ({"sharding_strategy": "ZERO3"}, ["sharding_strategy 'ZERO3'"]),
     ({"fsdp_size": 0}, ["fsdp_size must be positive"]),
     ({"optimizer": "sgd"}, ["optimizer 'sgd' is not one of adamw, muon"]),
+    ({"arch": "mamba"}, ["arch 'mamba' is not one of gpt2, llama"]),
+    ({"arch": "llama", "n_head": 4, "n_kv_head": 3}, ["n_kv_head=3 must divide n_head=4"]),
+    ({"arch": "llama", "n_head": 2, "n_embd": 66}, ["head dimension n_embd / n_head = 33 must be even for RoPE"]),
+    ({"qk_norm": True}, ["need arch: llama"]),
+    ({"init_from": "no/such/folder"}, ["init_from: no/such/folder/ has no config.json"]),
     ({"sharding_strategy": "HYBRID_SHARD", "fsdp_size": 2}, ["HYBRID_SHARD with fsdp_size=2 needs at least 2 ranks"]),
     ({"data_source": None, "data_path": "no/such/folder"}, ["no prepared data in 'no/such/folder'"]),
     # an unprepared data_path of its own: the session's corpus may be prepared already

@@ -28,6 +28,8 @@ def test_generate_is_deterministic_for_a_seed():
 @pytest.mark.parametrize("shape", [
     dict(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=128),  # demo
     dict(vocab_size=50304, block_size=1024, n_layer=12, n_head=10, n_embd=640),  # 90M
+    dict(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768, arch="llama", n_kv_head=4,
+         tie_embeddings=False, qk_norm=True),  # llama_124M's layout with GQA and qk_norm
 ])
 def test_flops_formula_matches_flop_counter(shape):
     with torch.device("meta"):

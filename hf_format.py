@@ -1,0 +1,176 @@
+"""model.GPT <-> Hugging Face folders: GPT2LMHeadModel (arch gpt2), LlamaForCausalLM (arch llama),
+Qwen3ForCausalLM (arch llama with qk_norm). Names, layouts and config keys, both ways.
+
+Export builds the transformers model (export_hf.py); import (`init_from`) reads config.json and
+the safetensors files directly, so training from published weights needs no transformers.
+"""
+import json
+import os
+
+import torch
+
+from config import UserError
+from model import GPTConfig
+
+# model.GPT uses nn.Linear (out, in); GPT-2's Conv1D stores the transpose (in, out)
+CONV1D_SUFFIXES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+GPT2_BUFFERS = (".attn.bias", ".attn.masked_bias")  # causal masks older GPT-2 files carry
+# llama block parameters: ours -> Hugging Face's, under model.layers.{i}.
+LLAMA_BLOCK = {"ln_1.weight": "input_layernorm.weight", "ln_2.weight": "post_attention_layernorm.weight",
+               "attn.c_proj.weight": "self_attn.o_proj.weight", "mlp.c_proj.weight": "mlp.down_proj.weight",
+               "attn.ln_q.weight": "self_attn.q_norm.weight", "attn.ln_k.weight": "self_attn.k_norm.weight"}
+LLAMA_ROOT = {"wte.weight": "model.embed_tokens.weight", "ln_f.weight": "model.norm.weight",
+              "lm_head.weight": "lm_head.weight"}
+
+
+def hf_architecture(cfg: GPTConfig) -> str:
+    if cfg.arch == "gpt2":
+        return "GPT2LMHeadModel"
+    return "Qwen3ForCausalLM" if cfg.qk_norm else "LlamaForCausalLM"
+
+
+def hf_config(cfg: GPTConfig, eot: int | None) -> dict:
+    """config.json's keys for our model."""
+    if cfg.arch == "gpt2":
+        return dict(model_type="gpt2", vocab_size=cfg.vocab_size, n_positions=cfg.block_size, n_embd=cfg.n_embd,
+                    n_layer=cfg.n_layer, n_head=cfg.n_head, n_inner=cfg.ffn_hidden, activation_function="gelu_new",
+                    layer_norm_epsilon=cfg.norm_eps, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                    tie_word_embeddings=True, bos_token_id=eot, eos_token_id=eot)
+    return dict(model_type="qwen3" if cfg.qk_norm else "llama", vocab_size=cfg.vocab_size, hidden_size=cfg.n_embd,
+                intermediate_size=cfg.ffn_hidden, num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head,
+                num_key_value_heads=cfg.n_kv_head, head_dim=cfg.head_dim, max_position_embeddings=cfg.block_size,
+                rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_embeddings,
+                hidden_act="silu", attention_bias=False, mlp_bias=False, bos_token_id=eot, eos_token_id=eot)
+
+
+def to_hf(state: dict, cfg: GPTConfig) -> dict:
+    """model.GPT's state dict -> the Hugging Face model's."""
+    out = {}
+    for name, tensor in state.items():
+        out |= (_gpt2_to_hf if cfg.arch == "gpt2" else _llama_to_hf)(name, tensor, cfg)
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def _gpt2_to_hf(name: str, tensor: torch.Tensor, cfg: GPTConfig) -> dict:
+    out = {"lm_head.weight" if name == "lm_head.weight" else "transformer." + name.replace("blocks.", "h."):
+           tensor.t() if name.endswith(CONV1D_SUFFIXES) else tensor}
+    if not cfg.bias and not name.endswith(("wte.weight", "wpe.weight", "lm_head.weight")):
+        # GPT-2 always has biases: zeros compute the same as none
+        hf_name = next(iter(out))
+        out[hf_name.removesuffix("weight") + "bias"] = torch.zeros(out[hf_name].shape[-1])  # the output width
+    return out
+
+
+def _llama_to_hf(name: str, tensor: torch.Tensor, cfg: GPTConfig) -> dict:
+    if name in LLAMA_ROOT:
+        return {LLAMA_ROOT[name]: tensor}
+    _, i, rest = name.split(".", 2)
+    prefix = f"model.layers.{i}."
+    if rest == "attn.c_attn.weight":  # q, k, v stacked by rows
+        q, k, v = tensor.split([cfg.n_head * cfg.head_dim] + [cfg.n_kv_head * cfg.head_dim] * 2)
+        return {prefix + "self_attn.q_proj.weight": q, prefix + "self_attn.k_proj.weight": k,
+                prefix + "self_attn.v_proj.weight": v}
+    if rest == "mlp.c_fc.weight":  # SwiGLU's gate, then up
+        gate, up = tensor.chunk(2)
+        return {prefix + "mlp.gate_proj.weight": gate, prefix + "mlp.up_proj.weight": up}
+    return {prefix + LLAMA_BLOCK[rest]: tensor}
+
+
+# ---- import: a Hugging Face folder -> model keys and model.GPT's state dict ----
+
+def read_hf_folder(folder: str) -> tuple[dict, dict]:
+    """(model keys as GPTConfig takes them, state dict in model.GPT's names) of a folder."""
+    path = os.path.join(folder, "config.json")
+    if not os.path.isfile(path):
+        raise UserError(f"init_from: {folder}/ has no config.json (a Hugging Face model folder is needed)")
+    with open(path) as f:
+        config = json.load(f)
+    architecture = (config.get("architectures") or ["?"])[0]
+    readers = {"GPT2LMHeadModel": _gpt2_keys, "LlamaForCausalLM": _llama_keys, "Qwen3ForCausalLM": _llama_keys}
+    if architecture not in readers:
+        raise UserError(f"init_from: {folder}/ holds a {architecture}; this trainer starts from "
+                        f"{', '.join(readers)}")
+    keys = readers[architecture](config, folder)
+    tensors = read_safetensors(folder)
+    cfg = GPTConfig(**keys)
+    state = _gpt2_from_hf(tensors) if cfg.arch == "gpt2" else _llama_from_hf(tensors, cfg)
+    return keys, state
+
+
+def _gpt2_keys(config: dict, folder: str) -> dict:
+    if config.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
+        raise UserError(f"init_from: {folder}/ uses activation {config['activation_function']}; GPT-2's is gelu_new")
+    return dict(arch="gpt2", vocab_size=config["vocab_size"], block_size=config["n_positions"], n_layer=config["n_layer"],
+                n_head=config["n_head"], n_embd=config["n_embd"], bias=True,
+                ffn_hidden=config.get("n_inner") or 4 * config["n_embd"], norm_eps=config.get("layer_norm_epsilon", 1e-5),
+                tie_embeddings=config.get("tie_word_embeddings", True))
+
+
+def _llama_keys(config: dict, folder: str) -> dict:
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if rope.get("rope_type", "default") != "default":
+        raise UserError(f"init_from: {folder}/ scales RoPE ({rope['rope_type']}); only plain RoPE is built here")
+    n_head = config["num_attention_heads"]
+    if config.get("head_dim", config["hidden_size"] // n_head) * n_head != config["hidden_size"]:
+        raise UserError(f"init_from: {folder}/ has head_dim x heads != hidden_size; model.py needs them equal")
+    return dict(arch="llama", vocab_size=config["vocab_size"], block_size=config["max_position_embeddings"],
+                n_layer=config["num_hidden_layers"], n_head=n_head, n_embd=config["hidden_size"],
+                n_kv_head=config.get("num_key_value_heads", n_head), bias=False,
+                rope_theta=float(config.get("rope_theta", rope.get("rope_theta", 10000.0))),
+                qk_norm=config["architectures"][0] == "Qwen3ForCausalLM", ffn_hidden=config["intermediate_size"],
+                norm_eps=config.get("rms_norm_eps", 1e-6), tie_embeddings=config.get("tie_word_embeddings", False))
+
+
+def _gpt2_from_hf(tensors: dict) -> dict:
+    state = {}
+    for hf_name, tensor in tensors.items():
+        name = hf_name.removeprefix("transformer.")
+        if name.endswith(GPT2_BUFFERS):
+            continue
+        name = name.replace("h.", "blocks.", 1) if name.startswith("h.") else name
+        state[name] = tensor.t() if name.endswith(CONV1D_SUFFIXES) else tensor
+    state.setdefault("lm_head.weight", state["wte.weight"])
+    return state
+
+
+def _llama_from_hf(tensors: dict, cfg: GPTConfig) -> dict:
+    state = {ours: tensors[theirs] for ours, theirs in LLAMA_ROOT.items() if theirs in tensors}
+    state.setdefault("lm_head.weight", state["wte.weight"])  # tied: no lm_head in the file
+    for i in range(cfg.n_layer):
+        layer = {name.removeprefix(f"model.layers.{i}."): t for name, t in tensors.items()
+                 if name.startswith(f"model.layers.{i}.")}
+        state |= {f"blocks.{i}.{ours}": layer[theirs] for ours, theirs in LLAMA_BLOCK.items() if theirs in layer}
+        state[f"blocks.{i}.attn.c_attn.weight"] = torch.cat([layer[f"self_attn.{p}_proj.weight"] for p in "qkv"])
+        state[f"blocks.{i}.mlp.c_fc.weight"] = torch.cat([layer["mlp.gate_proj.weight"], layer["mlp.up_proj.weight"]])
+    return state
+
+
+SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def read_safetensors(folder: str) -> dict:
+    """Every tensor of model.safetensors, or of the files model.safetensors.index.json names, as fp32."""
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = ["model.safetensors"]
+    tensors = {}
+    for name in files:
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            raise UserError(f"init_from: {path} is missing (only safetensors weights are read)")
+        with open(path, "rb") as f:
+            # the format: an 8-byte little-endian header length, a JSON header, then the raw bytes
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+            data = f.read()
+        for key, meta in header.items():
+            if key == "__metadata__":
+                continue
+            if meta["dtype"] not in SAFETENSORS_DTYPES:
+                raise UserError(f"init_from: {path}: tensor {key} is {meta['dtype']}; F32, F16 and BF16 are read")
+            start, end = meta["data_offsets"]
+            raw = torch.frombuffer(bytearray(data[start:end]), dtype=torch.uint8) if end > start else torch.empty(0, dtype=torch.uint8)
+            tensors[key] = raw.view(SAFETENSORS_DTYPES[meta["dtype"]]).reshape(meta["shape"]).float()
+    return tensors

@@ -1,0 +1,160 @@
+"""arch: llama (RMSNorm, RoPE, SwiGLU, grouped-query attention, qk_norm): the Hugging Face mapping
+both ways, parity with one process, resumes, resharding, activation checkpointing and compile,
+export to Qwen3 with transformers' val loss equal to evaluate.py's, and init_from."""
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, TINY, checkpoint_of, run_trainer, scalars
+from hf_format import hf_config, read_hf_folder, to_hf
+from model import GPT, GPTConfig
+
+# GQA (4 query heads share 2 key/value heads), qk_norm (exports as Qwen3), untied head
+LLAMA = dict(arch="llama", n_head=4, n_kv_head=2, qk_norm=True)
+STEPS = 8
+
+
+def hf_model(cfg: GPTConfig, state: dict):
+    from transformers import AutoConfig, AutoModelForCausalLM
+    keys = hf_config(cfg, eot=0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(keys.pop("model_type"), **keys)).eval()
+    model.load_state_dict(to_hf(state, cfg))
+    return model
+
+
+@pytest.mark.parametrize("options", [
+    dict(arch="llama", n_kv_head=2),  # LlamaForCausalLM, untied
+    dict(arch="llama", n_kv_head=1, qk_norm=True, tie_embeddings=True, rope_theta=5e5),  # Qwen3ForCausalLM
+    dict(arch="gpt2"),  # GPT2LMHeadModel
+])
+def test_transformers_computes_the_same_logits_and_the_folder_reads_back(options, tmp_path):
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=64, **options)
+    model = GPT(cfg).eval()
+    with torch.no_grad():  # norms and biases away from their initial ones and zeros
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    hf = hf_model(cfg, model.state_dict())
+    idx = torch.randint(0, 256, (2, 32))
+    with torch.no_grad():
+        expected = model(idx)[0]
+        assert torch.allclose(hf(idx).logits, expected, rtol=1e-4, atol=1e-4)
+        hf.save_pretrained(tmp_path)
+        keys, state = read_hf_folder(str(tmp_path))  # init_from's reader: no transformers involved
+        assert GPTConfig(**keys) == cfg
+        back = GPT(GPTConfig(**keys)).eval()
+        back.load_state_dict(state)
+        assert torch.equal(back(idx)[0], expected)
+
+
+@pytest.fixture(scope="module")
+def runs(corpus, tmp_path_factory):
+    """name -> folder of a llama run of STEPS steps, each launched once per module."""
+    made = {}
+
+    def run(name: str, nproc: int, **settings) -> str:
+        if name not in made:
+            made[name] = str(tmp_path_factory.mktemp(name))
+            run_trainer(made[name], nproc=nproc, max_iters=STEPS, **(LLAMA | corpus | settings))
+        return made[name]
+    return run
+
+
+LAYOUTS = {  # name: (ranks, settings); each saves at step 4 and 8
+    "FULL_SHARD": (4, dict(sharding_strategy="FULL_SHARD", checkpoint_type="sharded", save_interval=4)),
+    "HYBRID_SHARD": (4, dict(sharding_strategy="HYBRID_SHARD", fsdp_size=2, checkpoint_type="full", save_interval=4)),
+}
+
+
+def losses(run_dir: str, tag: str = "train/loss") -> dict:
+    return scalars(os.path.join(run_dir, "tb"), tag)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_four_ranks_match_one_process(layout, runs):
+    reference = runs("one", 1)
+    got = runs(layout, *LAYOUTS[layout][:1], **LAYOUTS[layout][1])
+    for tag in ("train/loss", "train/grad_norm", "val/loss"):
+        assert sorted(losses(got, tag)) == sorted(losses(reference, tag))
+        for step, value in losses(reference, tag).items():
+            assert losses(got, tag)[step] == pytest.approx(value, rel=1e-4), (tag, step)
+    assert losses(reference)[STEPS] < losses(reference)[1] - 0.3  # it trains
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout, kind", [("FULL_SHARD", "sharded"), ("HYBRID_SHARD", "full")])
+def test_resume_is_bitwise(layout, kind, runs, corpus, tmp_path):
+    nproc, settings = LAYOUTS[layout]
+    original = runs(layout, nproc, **settings)
+    path = checkpoint_of(original, kind, 4, rank=0)
+    run_trainer(str(tmp_path), nproc=nproc, max_iters=STEPS, resume_from=path, **(LLAMA | corpus | settings))
+    got, expected = losses(str(tmp_path)), losses(original)
+    assert sorted(got) == [5, 6, 7, 8] and all(got[s] == expected[s] for s in got), (got, expected)
+
+
+@pytest.mark.slow
+def test_resharded_with_activation_checkpointing_and_compile(runs, corpus, tmp_path):
+    """The 4-rank sharded set resumed on 2 ranks with both switches on: the run goes on as it went."""
+    nproc, settings = LAYOUTS["FULL_SHARD"]
+    original = runs("FULL_SHARD", nproc, **settings)
+    result = run_trainer(str(tmp_path), nproc=2, timeout=600, max_iters=STEPS, activation_checkpointing=True,
+                         compile=True, resume_from=checkpoint_of(original, "sharded", 4, rank=0), **(LLAMA | corpus))
+    assert "compile: true" in result.stdout
+    got, expected = losses(str(tmp_path)), losses(original)
+    assert sorted(got) == [5, 6, 7, 8]
+    for step in got:
+        assert got[step] == pytest.approx(expected[step], rel=1e-4), step
+
+
+def tool(script: str, *args) -> str:
+    result = subprocess.run([sys.executable, os.path.join(ROOT, script), *map(str, args)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+@pytest.mark.slow
+def test_export_evaluate_sample_and_init_from(runs, corpus, tmp_path):
+    """The 4-rank run's step-8 checkpoint: exported as Qwen3ForCausalLM, transformers' loss on the
+    run's val windows is evaluate.py's; sample.py writes text; a run started from the exported
+    folder (init_from) begins at the same val loss."""
+    from transformers import AutoModelForCausalLM
+
+    from data import prepare_data
+    from evaluate import val_loss_sums
+    from loader import BatchLoader
+
+    nproc, settings = LAYOUTS["HYBRID_SHARD"]
+    checkpoint = checkpoint_of(runs("HYBRID_SHARD", nproc, **settings), "full", STEPS)
+    out = tmp_path / "hf"
+    assert "Qwen3ForCausalLM" in tool("export_hf.py", checkpoint, out)
+    evaluated = float(tool("evaluate.py", checkpoint).split("val loss ")[1].split()[0])
+    hf = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(hf).__name__ == "Qwen3ForCausalLM"
+    meta = prepare_data(corpus["data_path"], None, "bytes")
+    loader = BatchLoader(corpus["data_path"], meta, TINY["block_size"], TINY["micro_batch"], TINY["micro_batch"],
+                         0, 1, TINY["seed"], torch.device("cpu"))
+    total, windows = val_loss_sums(lambda x: (hf(x).logits, None), loader, TINY["eval_iters"] * TINY["train_batch"]).tolist()
+    assert total / windows == pytest.approx(evaluated, rel=1e-5)
+    text = tool("sample.py", checkpoint, "--max_new_tokens", "16", "--seed", "1")
+    assert text == tool("sample.py", checkpoint, "--max_new_tokens", "16", "--seed", "1") and text.strip()
+    started = tmp_path / "started"
+    started.mkdir()
+    run_trainer(str(started), max_iters=0, init_from=str(out), **(LLAMA | corpus))
+    assert losses(str(started), "val/loss")[0] == pytest.approx(evaluated, rel=1e-5)
+    assert math.isfinite(evaluated)
+
+
+def test_init_from_refuses_a_folder_of_another_shape(corpus, tmp_path):
+    cfg = GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_embd=64, **LLAMA)
+    hf_model(cfg, GPT(cfg).state_dict()).save_pretrained(tmp_path / "hf")
+    result = run_trainer(str(tmp_path), check=False, max_iters=0, init_from=str(tmp_path / "hf"),
+                         **(LLAMA | corpus | dict(n_embd=32)))
+    assert result.returncode == 2
+    assert (f"error: init_from {tmp_path / 'hf'} has n_embd=64 but the config has n_embd=32: set --n_embd=64 "
+            f"to start from it") in result.stderr
