@@ -40,6 +40,19 @@ def run_trainer(run_dir, nproc=1, config=DEMO, timeout=300, check=True, launcher
     return result
 
 
+def launcher_once(tmp_path_factory, **common):
+    """run(name, nproc, **settings) -> the folder of a trainer run with `common` and `settings`,
+    launched the first time a name is asked for (module fixtures share runs between tests)."""
+    made = {}
+
+    def run(name: str, nproc: int, **settings) -> str:
+        if name not in made:
+            made[name] = str(tmp_path_factory.mktemp(name))
+            run_trainer(made[name], nproc=nproc, **(common | settings))
+        return made[name]
+    return run
+
+
 def _event_files(tb_dir: str):
     """An EventAccumulator per TensorBoard events file in tb_dir, oldest first."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

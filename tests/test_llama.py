@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, TINY, checkpoint_of, run_trainer, scalars
+from conftest import ROOT, TINY, checkpoint_of, launcher_once, run_trainer, scalars
 from hf_format import hf_config, read_hf_folder, to_hf
 from model import GPT, GPTConfig
 
@@ -54,14 +54,7 @@ def test_transformers_computes_the_same_logits_and_the_folder_reads_back(options
 @pytest.fixture(scope="module")
 def runs(corpus, tmp_path_factory):
     """name -> folder of a llama run of STEPS steps, each launched once per module."""
-    made = {}
-
-    def run(name: str, nproc: int, **settings) -> str:
-        if name not in made:
-            made[name] = str(tmp_path_factory.mktemp(name))
-            run_trainer(made[name], nproc=nproc, max_iters=STEPS, **(LLAMA | corpus | settings))
-        return made[name]
-    return run
+    return launcher_once(tmp_path_factory, max_iters=STEPS, **(LLAMA | corpus))
 
 
 LAYOUTS = {  # name: (ranks, settings); each saves at step 4 and 8

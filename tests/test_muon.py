@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 import ckpt_format
 from config import TrainConfig
-from conftest import ROOT, checkpoint_of, run_trainer, scalars
+from conftest import ROOT, checkpoint_of, launcher_once, run_trainer, scalars
 from muon import MuonWithAdamW, orthogonalise
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
@@ -64,14 +64,7 @@ def test_orthogonalise_brings_singular_values_near_one(shape):
 @pytest.fixture(scope="module")
 def runs(corpus, tmp_path_factory):
     """name -> folder of a Muon run of 6 steps, each launched once per module."""
-    made = {}
-
-    def run(name: str, nproc: int, **settings) -> str:
-        if name not in made:
-            made[name] = str(tmp_path_factory.mktemp(name))
-            run_trainer(made[name], nproc=nproc, **(MUON | corpus | settings))
-        return made[name]
-    return run
+    return launcher_once(tmp_path_factory, **(MUON | corpus))
 
 
 def logged(run_dir: str) -> dict:
