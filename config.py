@@ -29,7 +29,8 @@ def exit_code(body: typing.Callable[[], int | None]) -> int:
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
 DTYPES = ("auto", "bf16", "fp16", "fp32")
 OPTIMIZERS = ("adamw", "muon")
-MODEL_SHAPE_KEYS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "bias", "arch", "n_kv_head",
+# arch first: a checkpoint of the other layout is reported as that, not as its first consequence (bias)
+MODEL_SHAPE_KEYS = ("arch", "vocab_size", "block_size", "n_layer", "n_head", "n_embd", "bias", "n_kv_head",
                     "rope_theta", "qk_norm", "tie_embeddings", "ffn_hidden", "norm_eps")
 ARCHS = ("gpt2", "llama")
 

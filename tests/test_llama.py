@@ -151,3 +151,19 @@ def test_init_from_refuses_a_folder_of_another_shape(corpus, tmp_path):
     assert result.returncode == 2
     assert (f"error: init_from {tmp_path / 'hf'} has n_embd=64 but the config has n_embd=32: set --n_embd=64 "
             f"to start from it") in result.stderr
+
+
+def test_checkpoints_written_before_arch_existed_still_load():
+    """Their model_config has only GPT-2's keys: the missing ones read as the GPT-2 layout."""
+    from ckpt_format import check_model_shape
+    from config import TrainConfig, UserError, validate
+
+    old = dict(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=64, bias=True, dropout=0.0)
+    gpt2 = TrainConfig(**{k: v for k, v in old.items()})
+    validate(gpt2)
+    check_model_shape("checkpoint old.pth", old, gpt2)  # no error
+    assert GPT(GPTConfig(**old)).state_dict().keys() == GPT(GPTConfig(**gpt2.model_shape)).state_dict().keys()
+    llama = TrainConfig(**old | dict(arch="llama"))
+    validate(llama)
+    with pytest.raises(UserError, match="checkpoint old.pth has arch=gpt2 but the config has arch=llama"):
+        check_model_shape("checkpoint old.pth", old, llama)
