@@ -163,14 +163,16 @@ def read_safetensors(folder: str) -> dict:
             raise UserError(f"init_from: {path} is missing (only safetensors weights are read)")
         with open(path, "rb") as f:
             # the format: an 8-byte little-endian header length, a JSON header, then the raw bytes
-            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-            data = f.read()
-        for key, meta in header.items():
-            if key == "__metadata__":
-                continue
-            if meta["dtype"] not in SAFETENSORS_DTYPES:
-                raise UserError(f"init_from: {path}: tensor {key} is {meta['dtype']}; F32, F16 and BF16 are read")
-            start, end = meta["data_offsets"]
-            raw = torch.frombuffer(bytearray(data[start:end]), dtype=torch.uint8) if end > start else torch.empty(0, dtype=torch.uint8)
-            tensors[key] = raw.view(SAFETENSORS_DTYPES[meta["dtype"]]).reshape(meta["shape"]).float()
+            header_size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(header_size))
+            for key, meta in header.items():
+                if key == "__metadata__":
+                    continue
+                if meta["dtype"] not in SAFETENSORS_DTYPES:
+                    raise UserError(f"init_from: {path}: tensor {key} is {meta['dtype']}; F32, F16 and BF16 are read")
+                start, end = meta["data_offsets"]
+                f.seek(8 + header_size + start)  # one tensor in memory at a time, besides the fp32 copies
+                raw = torch.frombuffer(bytearray(f.read(end - start)), dtype=torch.uint8) if end > start \
+                    else torch.empty(0, dtype=torch.uint8)
+                tensors[key] = raw.view(SAFETENSORS_DTYPES[meta["dtype"]]).reshape(meta["shape"]).float()
     return tensors

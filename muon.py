@@ -40,6 +40,11 @@ def orthogonalise(g: torch.Tensor) -> torch.Tensor:
     return (x.T if tall else x).to(g.dtype)
 
 
+def is_muon_matrix(name: str, shape: torch.Size) -> bool:
+    """Muon's parameters: the 2-D weights inside the DecoderBlocks (named as model.GPT names them)."""
+    return name.startswith("blocks.") and len(shape) == 2
+
+
 def newton_schulz_flops(shape: torch.Size) -> int:
     """FLOPs of orthogonalise() on one matrix: per iteration X X^T, gram @ gram and (...) @ X."""
     m, n = sorted(shape)
@@ -50,7 +55,7 @@ def newton_schulz_share(model: torch.nn.Module, tokens_per_step: int, group: int
     """Muon's extra compute, which does not grow with the batch: the busiest rank's Newton-Schulz
     FLOPs per step (matrix k goes to rank k % group of each group that shares the matrices) over
     its share of the step's training FLOPs (split over all ranks)."""
-    ns = [newton_schulz_flops(p.shape) for p in model.blocks.parameters() if p.dim() == 2]
+    ns = [newton_schulz_flops(p.shape) for name, p in model.named_parameters() if is_muon_matrix(name, p.shape)]
     busiest = max(sum(ns[j::group]) for j in range(group))
     return busiest / (model.flops_per_token() * tokens_per_step / ranks)
 

@@ -24,7 +24,7 @@ from loader import BatchLoader
 from launch import STRATEGY_TABLE, Topology, agree, init_distributed, run_entry_point
 from metrics import ProgressLog, device_peak_flops, per_rank_memory
 from model import GPT, GPTConfig
-from muon import MuonWithAdamW
+from muon import MuonWithAdamW, is_muon_matrix
 from sample import complete
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -115,11 +115,11 @@ def adamw_optimizer(cfg, gpt: GPT, device: torch.device) -> torch.optim.AdamW:
 def muon_optimizer(cfg, gpt: GPT, device: torch.device) -> MuonWithAdamW:
     """Muon for the blocks' 2-D weights; AdamW for embeddings, LM head, LayerNorms and biases."""
     decay, no_decay = parameter_groups(gpt)
-    matrices = [p for name, p in decay.items() if name.startswith("blocks.") and p.dim() == 2]
+    matrices = {name: p for name, p in decay.items() if is_muon_matrix(name, p.shape)}
     adamw = dict(muon=False, betas=(cfg.beta1, cfg.beta2), eps=1e-8, fused=True)
     return MuonWithAdamW([
-        dict(params=matrices, muon=True, weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum),
-        dict(params=[p for p in decay.values() if not any(p is m for m in matrices)], weight_decay=cfg.weight_decay, **adamw),
+        dict(params=list(matrices.values()), muon=True, weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum),
+        dict(params=[p for name, p in decay.items() if name not in matrices], weight_decay=cfg.weight_decay, **adamw),
         dict(params=list(no_decay.values()), weight_decay=0.0, **adamw)], lr=cfg.learning_rate, device=device)
 
 

@@ -24,7 +24,7 @@ from ckpt_format import dim0_shard  # noqa: E402
 from ckpt_index import build_index, files_to_open, model_key, state_key, wanted_rows  # noqa: E402
 from config import UserError, exit_code, parse_args  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
-from muon import newton_schulz_share  # noqa: E402
+from muon import is_muon_matrix, newton_schulz_share  # noqa: E402
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "auto": 2}  # auto: bf16 on the GPUs this plans for
 ADAMW_MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -48,13 +48,9 @@ def row_numel(shape: torch.Size) -> int:
     return shape[1:].numel()
 
 
-def is_muon_matrix(cfg, name: str, shape: torch.Size) -> bool:
-    return cfg.optimizer == "muon" and name.startswith("blocks.") and len(shape) == 2
-
-
 def optimizer_state(cfg, name: str, shape: torch.Size) -> tuple[str, ...]:
     """The fp32 tensors the optimizer keeps per parameter, each shaped and split as the parameter."""
-    return ("momentum_buffer",) if is_muon_matrix(cfg, name, shape) else ADAMW_MOMENTS
+    return ("momentum_buffer",) if cfg.optimizer == "muon" and is_muon_matrix(name, shape) else ADAMW_MOMENTS
 
 
 class Plan:
@@ -86,7 +82,8 @@ class Plan:
         root), one reduce-scatter in the reduce dtype, HYBRID's all-reduce of the shards, and with
         Muon the fp32 slices of the matrices to their owners and back (two all-to-alls)."""
         cfg, n, r = self.cfg, self.shard, self.replicas
-        matrices = 4 * sum(shape.numel() for name, shape in self.params if is_muon_matrix(cfg, name, shape))
+        matrices = 4 * sum(shape.numel() for name, shape in self.params
+                           if cfg.optimizer == "muon" and is_muon_matrix(name, shape))
         # a replica's share (1/r of the matrices): slices to their owners and back in the shard
         # group; then every rank's slices all-gathered across the replicas
         muon_exchange = 2 * matrices / r / n * (n - 1) / n + matrices / n * (r - 1) / r
