@@ -216,6 +216,8 @@ def validate(cfg: TrainConfig) -> None:
             f"checkpoint_type '{cfg.checkpoint_type}' must be 'full' or 'sharded'")
     require(0.0 <= cfg.dropout < 1.0, f"dropout must be in [0, 1), got {cfg.dropout}")
     require(cfg.fsdp_size is None or cfg.fsdp_size > 0, f"fsdp_size must be positive, got {cfg.fsdp_size}")
+    require(cfg.fsdp or not cfg.cpu_offload,
+            "cpu_offload: true needs fsdp: true (DDP keeps every parameter and optimizer state on the GPU)")
     require(cfg.keep_last >= 0, f"keep_last must be 0 (keep all) or positive, got {cfg.keep_last}")
     require(cfg.optimizer in OPTIMIZERS, f"optimizer '{cfg.optimizer}' is not one of {', '.join(OPTIMIZERS)}")
     require(0.0 <= cfg.muon_momentum < 1.0, f"muon_momentum must be in [0, 1), got {cfg.muon_momentum}")

@@ -1,10 +1,11 @@
 """Validation loss: the sums the trainer reduces at every eval, and a standalone evaluation.
 
-python evaluate.py CHECKPOINT [--data_path PATH] [--eval_iters N] [--micro_batch M]
+python evaluate.py CHECKPOINT [--data_path PATH] [--eval_iters N] [--micro_batch M] [--dtype D]
 
 val/loss is the mean next-token loss over the first eval_iters * train_batch windows of
 block_size tokens of val.bin (fewer if val.bin is shorter): the same tokens at any world
-size, so a checkpoint evaluated here matches what its run logged at that step.
+size, computed in the run's compute dtype, so a checkpoint evaluated here matches what its
+run logged at that step.
 """
 import argparse
 import math
@@ -17,6 +18,7 @@ from config import UserError, exit_code
 from data import prepare_data
 from loader import BatchLoader
 from ckpt_format import load_gpt
+from precision import DTYPES, autocast, compute_dtype, pick_device
 
 
 @torch.no_grad()
@@ -36,10 +38,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--data_path", help="a prepared dataset (default: the run's)")
     parser.add_argument("--eval_iters", type=int, help="default: the run's; windows = eval_iters * train_batch")
     parser.add_argument("--micro_batch", type=int, help="sequences per forward (default: the run's)")
+    parser.add_argument("--dtype", choices=DTYPES, help="compute dtype (default: the run's)")
     args = parser.parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = pick_device()
     model, ckpt = load_gpt(args.checkpoint, device)
     run = ckpt["config"]
+    dtype = compute_dtype(args.dtype or run["dtype"], device)
     data_path = args.data_path or run["data_path"]
     meta = prepare_data(data_path, None, run["tokenizer"])
     if meta["tokenizer"] != run["tokenizer"]:
@@ -49,10 +53,11 @@ def main(argv: list[str]) -> int:
     loader = BatchLoader(data_path, meta, model.config.block_size,
                          micro_batch, micro_batch, 0, 1, run["seed"], device)  # one rank, val windows only
     n_windows = (args.eval_iters or run["eval_iters"]) * run["train_batch"]
-    loss_sum, windows = val_loss_sums(model, loader, n_windows).tolist()
+    with autocast(dtype, device, fsdp=False):
+        loss_sum, windows = val_loss_sums(model, loader, n_windows).tolist()
     loss = loss_sum / windows
     print(f"step {ckpt['step']} | val loss {loss:.6f} | perplexity {math.exp(loss):.3f} "
-          f"| {int(windows)} windows of {model.config.block_size} tokens")
+          f"| {int(windows)} windows of {model.config.block_size} tokens | {str(dtype).removeprefix('torch.')}")
     return 0
 
 

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from config import UserError, exit_code
+from precision import pick_device
 
 # strategy -> (mesh layout, reshard parameters after forward)
 STRATEGY_TABLE = {
@@ -77,9 +78,7 @@ def init_distributed(cfg) -> Topology:
                         f"node that runs torchrun (the README's SLURM script)")
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    device = pick_device(local_rank)
     backend = backend_for(device.type, cfg.cpu_offload)
     if "MASTER_ADDR" in os.environ:
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
@@ -89,7 +88,9 @@ def init_distributed(cfg) -> Topology:
         store = dist.PrefixStore(f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}", store)
     else:  # plain `python train_fsdp.py`: a group of one
         store = dist.HashStore()
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timedelta(minutes=30))
+    # device_id binds NCCL's communicator to this rank's GPU (without it each barrier guesses, and warns)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timedelta(minutes=30),
+                            device_id=device if device.type == "cuda" else None)
     wrap = wrapping(cfg, world)
     return Topology(rank, world, local_rank, local_world, device, wrap,
                     build_mesh(cfg, world, local_world, device, wrap))

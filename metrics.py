@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from ckpt_format import local_slice
+from compat import all_gather_flat
 
 # Dense bf16 (fp16 where the GPU has no bf16) peak FLOP/s, no sparsity, from the vendors' data
 # sheets, by the exact name torch.cuda.get_device_name reports: "L40" must not take "L4"'s figure,
@@ -79,7 +80,7 @@ def per_rank_memory(model, optimizer, device: torch.device) -> torch.Tensor:
     """(world, 4): every rank's GB as MEMORY_COLUMNS. A collective: every rank calls it."""
     mine = torch.tensor([*device_memory_gb(device), host_peak_gb(), state_gb(model, optimizer)], device=device)
     every = torch.empty(dist.get_world_size() * len(mine), device=device)
-    dist.all_gather_single(every, mine)
+    all_gather_flat(every, mine)
     return every.view(-1, len(mine)).cpu()
 
 

@@ -67,6 +67,18 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
 
 
+def sdpa_takes_gqa(q: torch.Tensor) -> bool:
+    """Whether scaled_dot_product_attention(enable_gqa=True) runs q's grouped-query attention
+    without a T x T scores matrix. CPU's fused kernel takes it in every dtype; on CUDA only the
+    flash kernel does (fp16/bf16 on sm80+, head_dim a multiple of 8 up to 256): elsewhere (fp32,
+    fp16 on a V100 or T4) CUDA would fall back to the math kernel."""
+    if q.device.type != "cuda":
+        return True
+    head_dim = q.shape[-1]
+    return (q.dtype in (torch.float16, torch.bfloat16) and torch.cuda.get_device_capability(q.device)[0] >= 8
+            and head_dim % 8 == 0 and head_dim <= 256)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -89,9 +101,13 @@ class CausalSelfAttention(nn.Module):
             q, k = self.ln_q(q), self.ln_k(k)
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        # SDPA picks flash / memory-efficient kernels on GPU, a fused math kernel on CPU
+        grouped = self.n_kv_head != self.n_head
+        if grouped and not sdpa_takes_gqa(q):  # a key/value head per query head: memory-efficient kernels run
+            k, v = (t.repeat_interleave(self.n_head // self.n_kv_head, dim=1) for t in (k, v))
+            grouped = False
+        # SDPA picks flash / memory-efficient kernels on GPU, a fused flash kernel on CPU
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
-                                           enable_gqa=self.n_kv_head != self.n_head)
+                                           enable_gqa=grouped)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 

@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw
 
 from ckpt_format import dim0_shard
+from compat import all_gather_flat
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # a quintic with the steepest slope at 0 (Keller Jordan)
 NS_STEPS = 5
@@ -140,7 +141,7 @@ class MatrixExchange:
         if share:
             send[:totals[self.replica_rank]] = torch.cat([t.reshape(-1) for t in share])
         gathered = like.new_empty(self.replicas * len(send))
-        dist.all_gather_single(gathered, send, group=self.replica_group)
+        all_gather_flat(gathered, send, group=self.replica_group)
         flat = torch.cat([gathered[r * len(send):r * len(send) + totals[r]] for r in range(self.replicas)])
         return [piece.view(-1, shape[1]) for piece, shape in zip(flat.split(counts), shapes)]
 

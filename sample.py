@@ -13,6 +13,7 @@ import torch
 from config import exit_code
 from data import get_tokenizer
 from ckpt_format import load_gpt
+from precision import autocast, compute_dtype, pick_device
 
 
 def complete(model, tokenizer, prompt: str, max_new_tokens: int, temperature: float = 1.0,
@@ -34,11 +35,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--top_k", type=int, default=200, help="0: no top-k cut")
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = pick_device()
     model, ckpt = load_gpt(args.checkpoint, device)
     tokenizer = get_tokenizer(ckpt["config"]["tokenizer"])
-    print(complete(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_k or None,
-                   args.seed, device))
+    with autocast(compute_dtype(ckpt["config"]["dtype"], device), device, fsdp=False):  # as the run computed
+        text = complete(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_k or None,
+                        args.seed, device)
+    print(text)
     return 0
 
 

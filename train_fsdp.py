@@ -25,24 +25,8 @@ from launch import STRATEGY_TABLE, Topology, agree, init_distributed, run_entry_
 from metrics import ProgressLog, device_peak_flops, per_rank_memory
 from model import GPT, GPTConfig
 from muon import MuonWithAdamW, is_muon_matrix
+from precision import DTYPES, autocast, compute_dtype
 from sample import complete
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def compute_dtype(cfg, device: torch.device) -> torch.dtype:
-    if cfg.dtype != "auto":
-        return DTYPES[cfg.dtype]
-    if device.type == "cuda":  # emulated bf16 (V100, T4) is slow: those GPUs get fp16 with scaling
-        return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
-    return torch.float32
-
-
-def autocast(cfg, device: torch.device, wrap: str):
-    """Under FSDP, MixedPrecisionPolicy casts for the compute; otherwise autocast does."""
-    dtype = compute_dtype(cfg, device)
-    return torch.autocast(device.type, dtype=dtype, enabled=wrap != "fsdp" and dtype != torch.float32)
-
 
 def initial_state(cfg, gpt_cfg: GPTConfig) -> dict:
     """The full starting weights: a Hugging Face folder's (init_from), or the seed's."""
@@ -67,9 +51,12 @@ def build_model(cfg, gpt_cfg: GPTConfig, topo: Topology) -> torch.nn.Module:
     param_device = topo.device
     if topo.wrap == "fsdp":
         _, reshard = STRATEGY_TABLE[cfg.sharding_strategy]
-        dtype = compute_dtype(cfg, topo.device)
+        dtype = compute_dtype(cfg.dtype, topo.device)
+        # cast_forward_inputs off: a block's input x is in the compute dtype already (computed with
+        # cast parameters), and the fp32 RoPE tables the root hands each block must stay fp32
         shard_args = dict(mesh=topo.mesh, mp_policy=MixedPrecisionPolicy(
-            param_dtype=None if dtype == torch.float32 else dtype, reduce_dtype=DTYPES[cfg.reduce_dtype]))
+            param_dtype=None if dtype == torch.float32 else dtype, reduce_dtype=DTYPES[cfg.reduce_dtype],
+            cast_forward_inputs=False))
         if cfg.cpu_offload:
             shard_args["offload_policy"] = CPUOffloadPolicy(pin_memory=topo.device.type == "cuda")
             param_device = torch.device("cpu")
@@ -170,19 +157,26 @@ def set_gradient_sync(model: torch.nn.Module, enabled: bool) -> None:
     # an unwrapped model (one process) has no gradients to reduce
 
 
+def forward_context(cfg, topo: Topology):
+    """The context of every forward: training, val loss and text samples compute in one dtype."""
+    dtype = compute_dtype(cfg.dtype, topo.device)
+    return lambda: autocast(dtype, topo.device, fsdp=topo.wrap == "fsdp")
+
+
 @torch.no_grad()
-def evaluate(model, gpt: GPT, loader: BatchLoader, cfg, tokenizer) -> tuple[float, str]:
+def evaluate(model, gpt: GPT, loader: BatchLoader, cfg, tokenizer, compute) -> tuple[float, str]:
     """Mean loss over the first eval_iters * train_batch val windows (whatever the world size),
-    and a text sample."""
+    and a text sample; `compute`: the context training's forwards run in (the same dtype)."""
     model.eval()
-    total = val_loss_sums(model, loader, cfg.eval_iters * cfg.train_batch)
-    dist.all_reduce(total)
-    text = ""
-    if cfg.sample_tokens:
-        # every rank generates the same tokens: each forward's gathers are collectives; eager,
-        # as compiled blocks would recompile for every new sequence length
-        with torch.compiler.set_stance("force_eager"):
-            text = complete(gpt, tokenizer, "", cfg.sample_tokens, seed=cfg.seed, device=loader.device)
+    with compute():
+        total = val_loss_sums(model, loader, cfg.eval_iters * cfg.train_batch)
+        dist.all_reduce(total)
+        text = ""
+        if cfg.sample_tokens:
+            # every rank generates the same tokens: each forward's gathers are collectives; eager,
+            # as compiled blocks would recompile for every new sequence length
+            with torch.compiler.set_stance("force_eager"):
+                text = complete(gpt, tokenizer, "", cfg.sample_tokens, seed=cfg.seed, device=loader.device)
     # with no backward to follow, FSDP leaves units that skip resharding after forward (the
     # root, the last block, all under SHARD_GRAD_OP) gathered: free them, and let the
     # parameters seen by checkpoints be the sharded ones again
@@ -229,6 +223,7 @@ def train(cfg) -> None:
     cfg.tokenizer = meta["tokenizer"]  # what the data holds: sampling and export decode with it
     tokenizer = resolve_vocabulary(cfg, meta, topo)
     gpt_cfg = GPTConfig(**cfg.model_shape, dropout=cfg.dropout)
+    dtype = compute_dtype(cfg.dtype, device)
     if topo.is_main:
         print(to_yaml(cfg), end="")
         if cfg.world_size not in (None, world):
@@ -236,7 +231,7 @@ def train(cfg) -> None:
                   f"train_batch={cfg.train_batch} stays global, so accumulation is now {accum_steps} micro-steps")
         print(f"{world} ranks, {cfg.sharding_strategy if cfg.fsdp else 'DDP'}, mesh {topo.mesh}, "
               f"{'model not wrapped (one process: nothing to shard), ' if topo.wrap == 'none' else ''}"
-              f"gradient accumulation {accum_steps}, compute dtype {compute_dtype(cfg, device)}", flush=True)
+              f"gradient accumulation {accum_steps}, compute dtype {dtype}", flush=True)
     model = build_model(cfg, gpt_cfg, topo)
     gpt = getattr(model, "module", model)  # the GPT under a DDP wrapper; FSDP2 keeps the module itself
     optimizer = build_optimizer(cfg, gpt, device)
@@ -251,9 +246,10 @@ def train(cfg) -> None:
               f"to metrics.GPU_PEAK_FLOPS", flush=True)
     log = ProgressLog(topo.is_main, cfg.tensorboard_dir, cfg.max_iters, tokens_per_step,
                       gpt.flops_per_token(), None if peak_flops is None else peak_flops * world)
-    scaler = torch.amp.GradScaler(device.type, enabled=compute_dtype(cfg, device) == torch.float16)
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    compute = forward_context(cfg, topo)
     if step == 0:
-        log.val(0, *evaluate(model, gpt, loader, cfg, tokenizer))
+        log.val(0, *evaluate(model, gpt, loader, cfg, tokenizer, compute))
     log.start(step)
     while step < cfg.max_iters:
         step += 1
@@ -264,7 +260,7 @@ def train(cfg) -> None:
         loss_sum = torch.zeros((), device=device)
         for micro_step, (x, y) in enumerate(loader.micro_batches(step)):
             set_gradient_sync(model, micro_step == accum_steps - 1)
-            with autocast(cfg, device, topo.wrap):
+            with compute():
                 _, loss = model(x, y)
             scaler.scale(loss / accum_steps).backward()
             loss_sum += loss.detach()
@@ -286,7 +282,7 @@ def train(cfg) -> None:
                     print(f"SIGTERM: stopped after step {step} with its checkpoint saved", flush=True)
                 break
         if step % cfg.eval_interval == 0 or last:
-            log.val(step, *evaluate(model, gpt, loader, cfg, tokenizer))
+            log.val(step, *evaluate(model, gpt, loader, cfg, tokenizer, compute))
             log.start(step)  # tokens/s and ETA count training time only
         if step % cfg.save_interval == 0 or last:
             ckpt.save(step, model, optimizer)

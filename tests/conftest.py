@@ -6,6 +6,13 @@ import sys
 import sysconfig
 
 import pytest
+import torch.distributed as dist
+
+# Tests run on the CPU wherever they run: the trainer picks CUDA when it sees a GPU, and a 4-rank
+# test on a 1-GPU machine would die of an invalid device ordinal. Set before anything touches CUDA;
+# every process a test starts inherits it. GPU tests (test_gpu.py) hand the GPUs back (gpu_env).
+VISIBLE_GPUS = os.environ.get("CUDA_VISIBLE_DEVICES")
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO = os.path.join(ROOT, "config", "demo_cpu.yaml")
@@ -104,6 +111,35 @@ def two_rank_runs(corpus, tmp_path_factory):
                     **RUN, **corpus)
         runs[kind] = run_dir
     return runs
+
+
+@pytest.fixture(scope="session")
+def gpu_count() -> int:
+    """GPUs the machine has (counted in a child process: this one must never initialise CUDA)."""
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"} | (
+        {"CUDA_VISIBLE_DEVICES": VISIBLE_GPUS} if VISIBLE_GPUS is not None else {})
+    out = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.device_count())"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    return int(out.stdout.strip() or 0)
+
+
+@pytest.fixture
+def gpu_env(gpu_count):
+    """gpu_env(n): the environment for a child process that sees the machine's GPUs; the test skips
+    (with the reason) where fewer than n are present."""
+    def env(n: int = 1) -> dict:
+        if gpu_count < n:
+            pytest.skip(f"needs {n} GPU{'s' * (n > 1)}, this machine has {gpu_count}")
+        return {"CUDA_VISIBLE_DEVICES": VISIBLE_GPUS if VISIBLE_GPUS is not None else ",".join(map(str, range(gpu_count)))}
+    return env
+
+
+@pytest.fixture
+def one_process_group():
+    """A process group of one (gloo), for code that runs collectives, in this process."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
 
 
 def checkpoint_of(run_dir, kind, step, rank=1):

@@ -1,12 +1,14 @@
 """A full checkpoint is plain PyTorch: model.GPT loads it with no torch.distributed at all."""
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import TINY, run_trainer, scalars
+from conftest import ROOT, TINY, run_trainer, scalars
 from model import GPT, GPTConfig
 
 pytestmark = pytest.mark.slow
@@ -36,3 +38,28 @@ def test_full_checkpoint_loads_into_plain_gpt_and_gives_logged_val_loss(corpus, 
     logged = scalars(str(tmp_path / "tb"), "val/loss")[4]
     assert loss == pytest.approx(logged, rel=1e-5)
     assert logged < scalars(str(tmp_path / "tb"), "val/loss")[0]
+
+
+def evaluated(checkpoint, *args) -> float:
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "evaluate.py"), str(checkpoint), *args],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return float(result.stdout.split("val loss ")[1].split()[0])
+
+
+def test_evaluate_gives_a_bf16_runs_logged_val_loss(corpus, tmp_path):
+    """evaluate.py computes in the run's dtype. Unwrapped (and under DDP) the trainer's forwards run
+    under the same autocast: the same figure to print precision, and not the fp32 one. Under FSDP
+    the MixedPrecisionPolicy casts the parameters themselves, so norms and residual adds round to
+    bf16 too where autocast keeps them fp32: within half of bf16's relative spacing (2^-9)."""
+    for nproc in (1, 2):
+        run_dir = tmp_path / f"ranks{nproc}"
+        run_dir.mkdir()
+        run_trainer(str(run_dir), nproc=nproc, dtype="bf16", max_iters=4, eval_iters=4, **corpus)
+        logged = scalars(str(run_dir / "tb"), "val/loss")[4]
+        checkpoint = run_dir / "ckpt" / "fsdp_cpt4.pth"
+        if nproc == 1:
+            assert evaluated(checkpoint) == pytest.approx(logged, rel=1e-6)
+            assert evaluated(checkpoint, "--dtype", "fp32") != pytest.approx(logged, rel=1e-6)
+        else:
+            assert evaluated(checkpoint) == pytest.approx(logged, rel=2 ** -9)

@@ -1,19 +1,27 @@
 """What the first GPU run would hit, checked on CPU: where checkpoint tensors go, the backend for
-offloaded collectives, the compute dtype, MFU's GPU table, and launches without torchrun."""
+offloaded collectives, the compute dtype of every forward in every wrapping, the RoPE tables'
+dtype under FSDP, grouped-query attention without the math kernel, MFU's GPU table, and launches
+without torchrun."""
 import os
 import subprocess
+import types
 
 import pytest
 import torch
-
-import metrics
-import train_fsdp
+import yaml
+from torch.distributed.device_mesh import init_device_mesh
 from torch.utils._pytree import tree_leaves
 
+import metrics
+import model as model_module
+import precision
+import train_fsdp
 from config import parse_args
 from conftest import DEMO, trainer_cmd
+from data import prepare_data
 from fsdp_ckpt import _placed, sharded_state
-from launch import backend_for, wrapping
+from launch import Topology, backend_for, wrapping
+from loader import BatchLoader
 from model import GPT, GPTConfig
 
 
@@ -51,13 +59,12 @@ def test_collectives_on_host_tensors_get_gloo_beside_nccl():
 
 
 def test_auto_dtype_skips_emulated_bf16(monkeypatch):
-    cfg = parse_args([DEMO, "--dtype=auto"])
     # a V100: bf16 only through emulation
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
-    assert train_fsdp.compute_dtype(cfg, torch.device("cuda", 0)) == torch.float16
+    assert precision.compute_dtype("auto", torch.device("cuda", 0)) == torch.float16
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)  # an A100
-    assert train_fsdp.compute_dtype(cfg, torch.device("cuda", 0)) == torch.bfloat16
-    assert train_fsdp.compute_dtype(cfg, torch.device("cpu")) == torch.float32
+    assert precision.compute_dtype("auto", torch.device("cuda", 0)) == torch.bfloat16
+    assert precision.compute_dtype("auto", torch.device("cpu")) == torch.float32
 
 
 @pytest.mark.parametrize("fsdp, world, offload, wrap, expected", [
@@ -69,8 +76,71 @@ def test_wrapping_and_who_casts_the_compute(fsdp, world, offload, wrap, expected
     casts the compute; under FSDP the MixedPrecisionPolicy does (no autocast)."""
     cfg = parse_args([DEMO, "--dtype=bf16", f"--fsdp={str(fsdp).lower()}", f"--cpu_offload={str(offload).lower()}"])
     assert wrapping(cfg, world) == wrap
-    with train_fsdp.autocast(cfg, torch.device("cpu"), wrap):
+    with precision.autocast(torch.bfloat16, torch.device("cpu"), fsdp=wrap == "fsdp"):
         assert torch.nn.Linear(4, 4)(torch.randn(2, 4)).dtype == expected
+
+
+def built(wrap: str, *overrides: str):
+    """A bf16 llama model of one process as build_model wraps it ("none", "ddp" or "fsdp"), its
+    config and topology (needs one_process_group)."""
+    cfg = parse_args([DEMO, "--arch=llama", "--n_layer=2", "--n_head=4", "--n_kv_head=2", "--n_embd=32",
+                      "--block_size=16", "--vocab_size=256", "--dtype=bf16", f"--fsdp={str(wrap != 'ddp').lower()}",
+                      "--eval_iters=1", "--train_batch=4", "--micro_batch=2", *overrides])
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("shard",)) if wrap == "fsdp" else None
+    topo = Topology(0, 1, 0, 1, torch.device("cpu"), wrap, mesh)
+    return train_fsdp.build_model(cfg, GPTConfig(**cfg.model_shape), topo), cfg, topo
+
+
+def test_rope_tables_reach_every_block_in_fp32_under_fsdp(one_process_group):
+    """FSDP2 casts a unit's floating-point inputs to param_dtype unless told not to: the cos/sin
+    tables the root hands each block would arrive in bf16 (fp32 unwrapped and under DDP)."""
+    model, _, _ = built("fsdp")
+    seen = []
+    for block in model.blocks:  # registered after FSDP's own hook: sees what the block receives
+        block.register_forward_pre_hook(lambda module, args: seen.append((args[0].dtype, args[1][0].dtype)))
+    model(torch.randint(0, 256, (2, 16)))
+    assert seen == [(torch.bfloat16, torch.float32)] * 2  # x in the compute dtype, the tables in fp32
+
+
+@pytest.mark.parametrize("wrap", ["none", "ddp", "fsdp"])
+def test_val_loss_and_samples_compute_in_the_training_dtype(wrap, one_process_group, corpus):
+    """Evaluation and text samples run in the context training's forwards run in: bf16 matmuls in
+    every wrapping (unwrapped and DDP ran them in fp32 before)."""
+    from data import ByteTokenizer
+    model, cfg, topo = built(wrap, "--sample_tokens=4")
+    gpt = getattr(model, "module", model)
+    seen = []
+    gpt.blocks[0].attn.c_attn.register_forward_hook(lambda module, args, out: seen.append(out.dtype))
+    meta = prepare_data(corpus["data_path"], yaml.safe_load(corpus["data_source"]), "bytes")
+    loader = BatchLoader(corpus["data_path"], meta, cfg.block_size, cfg.train_batch, cfg.micro_batch, 0, 1,
+                         cfg.seed, topo.device)
+    loss, text = train_fsdp.evaluate(model, gpt, loader, cfg, ByteTokenizer(), train_fsdp.forward_context(cfg, topo))
+    assert seen and set(seen) == {torch.bfloat16}, seen
+    assert len(seen) == 2 + 4  # two val micro-batches, four sampled tokens
+
+
+def test_grouped_query_attention_avoids_the_math_kernel(monkeypatch):
+    """On CUDA, SDPA takes enable_gqa on the flash kernel alone; where flash can't run the key/value
+    heads are repeated instead (the memory-efficient kernel runs), with the same result."""
+    def q(device, dtype, head_dim=64):
+        return types.SimpleNamespace(device=torch.device(device), dtype=dtype, shape=(2, 4, 16, head_dim))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))  # an A100
+    assert model_module.sdpa_takes_gqa(q("cuda", torch.bfloat16))
+    assert not model_module.sdpa_takes_gqa(q("cuda", torch.float32))
+    assert not model_module.sdpa_takes_gqa(q("cuda", torch.bfloat16, head_dim=12))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))  # a V100
+    assert not model_module.sdpa_takes_gqa(q("cuda", torch.float16))
+    assert model_module.sdpa_takes_gqa(q("cpu", torch.float32))
+    torch.manual_seed(0)
+    attention = model_module.CausalSelfAttention(GPTConfig(arch="llama", n_head=4, n_kv_head=2, n_embd=32))
+    x, rope = torch.randn(2, 16, 32), model_module.rotary(GPTConfig(arch="llama", n_head=4, n_embd=32), 16, "cpu")
+    calls, sdpa = [], torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", lambda q, k, v, **kw: (
+        calls.append((k.shape[1], kw["enable_gqa"])), sdpa(q, k, v, **kw))[1])
+    grouped = attention(x, rope)
+    monkeypatch.setattr(model_module, "sdpa_takes_gqa", lambda q: False)
+    torch.testing.assert_close(attention(x, rope), grouped)
+    assert calls == [(2, True), (4, False)]  # 2 key/value heads grouped natively, then repeated to 4
 
 
 @pytest.mark.parametrize("name, flops", [("NVIDIA L40", 181e12), ("NVIDIA L4", 121e12), ("NVIDIA H100 PCIe", 756e12),

@@ -5,7 +5,6 @@ import sys
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import ckpt_format
 from config import TrainConfig
@@ -19,13 +18,6 @@ from scale_plan import Plan  # noqa: E402
 # 24 sequences a step: 1, 2, 3 and 4 ranks take whole micro-batches of 2, with accumulation
 MUON = dict(optimizer="muon", n_embd=66, train_batch=24, max_iters=6, eval_interval=3, save_interval=3)
 TAGS = ("train/loss", "train/grad_norm", "val/loss")
-
-
-@pytest.fixture
-def one_process_group():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_update_is_torch_muons_with_adamw_matched_rms(one_process_group):
