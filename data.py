@@ -298,7 +298,8 @@ def prepare_data(data_path: str, sources, tokenizer: str, **options) -> dict:
     """
     if not _is_prepared(data_path):
         if not sources:
-            raise UserError(f"no prepared data in '{data_path}' (train.bin, val.bin) and no data_source to prepare it from")
+            raise UserError(f"no prepared data in '{data_path}' (train.bin, val.bin) and no data_source to prepare it "
+                            f"from: python data.py prepare {data_path} YOUR_TEXT --tokenizer {tokenizer}")
         os.makedirs(data_path, exist_ok=True)
         with open(os.path.join(data_path, ".prepare.lock"), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)

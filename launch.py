@@ -53,6 +53,12 @@ class Topology:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    def describe_mesh(self) -> str:
+        """"(replicate=2, shard=4)", or "none" (DDP, one process)."""
+        if self.mesh is None:
+            return "none"
+        return "(" + ", ".join(f"{name}={size}" for name, size in zip(self.mesh.mesh_dim_names, self.mesh.shape)) + ")"
+
 
 def wrapping(cfg, world_size: int) -> str:
     """"fsdp", "ddp", or "none": one process holding the whole model has nothing to shard or

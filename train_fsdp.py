@@ -64,6 +64,11 @@ def build_model(cfg, gpt_cfg: GPTConfig, topo: Topology) -> torch.nn.Module:
             # the last block's parameters are needed first in backward: keep them gathered
             fully_shard(block, reshard_after_forward=reshard and i < len(model.blocks) - 1, **shard_args)
         fully_shard(model, **shard_args)  # the root: embeddings, final norm, tied LM head
+        if topo.device.type != "cuda":
+            # FSDP2 averages gradients with ReduceOp.AVG, which gloo sums without dividing in torch
+            # 2.8: on gloo, sum and divide by the data-parallel size instead (NCCL keeps AVG)
+            for unit in (*model.blocks, model):
+                unit.set_force_sum_reduction_for_comms(True)
     model.to_empty(device=param_device)
     model.tie_weights()
     # Same seed (or folder), same weights for any world size: rank 0 alone builds the full model
@@ -229,7 +234,7 @@ def train(cfg) -> None:
         if cfg.world_size not in (None, world):
             print(f"note: config written for world_size={cfg.world_size}, launched with {world} ranks; "
                   f"train_batch={cfg.train_batch} stays global, so accumulation is now {accum_steps} micro-steps")
-        print(f"{world} ranks, {cfg.sharding_strategy if cfg.fsdp else 'DDP'}, mesh {topo.mesh}, "
+        print(f"{world} ranks, {cfg.sharding_strategy if cfg.fsdp else 'DDP'}, mesh {topo.describe_mesh()}, "
               f"{'model not wrapped (one process: nothing to shard), ' if topo.wrap == 'none' else ''}"
               f"gradient accumulation {accum_steps}, compute dtype {dtype}", flush=True)
     model = build_model(cfg, gpt_cfg, topo)

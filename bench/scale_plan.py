@@ -29,6 +29,7 @@ from muon import is_muon_matrix, newton_schulz_share  # noqa: E402
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "auto": 2}  # auto: bf16 on the GPUs this plans for
 ADAMW_MOMENTS = ("exp_avg", "exp_avg_sq")
 GB = 1e9
+GPT2_VOCAB = 50304  # 50,257 rounded up to a multiple of 64, as the trainer rounds it
 
 
 def meta_model(cfg) -> GPT:
@@ -159,6 +160,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--bandwidth", type=float, default=10.0, help="filesystem aggregate GB/s")
     args, rest = parser.parse_known_args(argv)
     cfg = parse_args(rest)
+    if cfg.vocab_size is None:  # the run takes it from its data
+        cfg.vocab_size = GPT2_VOCAB
+        print(f"vocab_size: {GPT2_VOCAB} (GPT-2's tokens; set --vocab_size=N for other data)")
     if cfg.train_batch % (cfg.micro_batch * args.gpus):
         raise UserError(f"train_batch={cfg.train_batch} must be a multiple of micro_batch={cfg.micro_batch} x "
                         f"{args.gpus} GPUs: set --train_batch")

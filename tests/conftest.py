@@ -1,6 +1,7 @@
 """Shared helpers: a tiny corpus, a tiny model config, and launching the real trainer."""
 import glob
 import os
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -45,6 +46,12 @@ def run_trainer(run_dir, nproc=1, config=DEMO, timeout=300, check=True, launcher
     if check and result.returncode != 0:
         raise AssertionError(f"trainer failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
     return result
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def launcher_once(tmp_path_factory, **common):

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import DEMO, ROOT, scalars, texts
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.compat]
 
 
 def test_demo_trains_and_val_loss_falls(tmp_path):

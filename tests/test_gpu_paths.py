@@ -4,6 +4,7 @@ dtype under FSDP, grouped-query attention without the math kernel, MFU's GPU tab
 without torchrun."""
 import os
 import subprocess
+import sys
 import types
 
 import pytest
@@ -17,7 +18,7 @@ import model as model_module
 import precision
 import train_fsdp
 from config import parse_args
-from conftest import DEMO, trainer_cmd
+from conftest import DEMO, ROOT, trainer_cmd
 from data import prepare_data
 from fsdp_ckpt import _placed, sharded_state
 from launch import Topology, backend_for, wrapping
@@ -158,3 +159,22 @@ def test_srun_without_torchrun_is_refused(tmp_path):
     assert result.stderr.strip().splitlines() == [
         "error: started as 8 SLURM tasks without torchrun: start one task per node that runs torchrun "
         "(the README's SLURM script)"]
+
+
+@pytest.mark.slow
+def test_gpu_check_runs_as_is_and_writes_one_table(corpus, tmp_path):
+    """bench/gpu_check.sh end to end at tiny size on the CPU (compile off: the plumbing, not the
+    compiler, is what is checked here): every run's row, the machine line, no GPU tests run."""
+    tiny = [f"--{k}={v}" for k, v in dict(n_layer=1, n_head=2, n_embd=32, block_size=32, train_batch=8, micro_batch=4,
+                                           max_iters=3, log_interval=1, eval_interval=3, eval_iters=1,
+                                           compile="false", **corpus).items()]
+    result = subprocess.run(["bash", os.path.join(ROOT, "bench", "gpu_check.sh"), *tiny], capture_output=True,
+                            text=True, timeout=600, env=dict(os.environ, GPU_CHECK_DIR=str(tmp_path), PYTHON=sys.executable))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    table = (tmp_path / "table.md").read_text().splitlines()
+    assert table[:2] == ["| run | tok/s | MFU | peak memory, GB | train loss, last step |", "| --- | --- | --- | --- | --- |"]
+    runs = ["demo", "gpt2_90M", "gpt2_90M_compile", "llama_124M_muon", "llama_124M_muon_compile"]
+    assert [line.split(" | ")[0][2:] for line in table[2:7]] == runs
+    assert all(line.endswith("(step 3) |") and "failed" not in line for line in table[2:7])
+    assert table[8].endswith(f"no GPU, 0 GPU(s), torch {torch.__version__}, CUDA {torch.version.cuda}. GPU tests: "
+                             f"not run: torch sees no GPU")

@@ -24,6 +24,8 @@ def test_update_is_torch_muons_with_adamw_matched_rms(one_process_group):
     """Three steps on a tall and a wide matrix: the same change of weights as torch.optim.Muon
     (momentum, Nesterov, weight decay, the match_rms_adamw scale). torch iterates in bf16, this
     optimizer in fp32 on CPU: they differ by bf16's rounding, about 1%."""
+    if not hasattr(torch.optim, "Muon"):
+        pytest.skip(f"torch.optim.Muon, the reference, arrives in torch 2.9 (this is {torch.__version__})")
     torch.manual_seed(0)
     start = [torch.randn(48, 16), torch.randn(16, 64)]
     theirs, ours = ([w.clone().requires_grad_() for w in start] for _ in range(2))
@@ -74,7 +76,8 @@ LAYOUTS = {  # name: (ranks, settings)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", [pytest.param(name, marks=[pytest.mark.compat] if name == "OFFLOAD" else [])
+                                    for name in LAYOUTS])
 def test_every_layout_matches_one_process(layout, runs):
     reference = logged(runs("one", 1))
     nproc, settings = LAYOUTS[layout]

@@ -1,12 +1,11 @@
 """Distributed correctness by parity: 4 ranks under each strategy train the same run as one process."""
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 
-from conftest import DEMO, ROOT, TINY, overrides, run_trainer, scalars
+from conftest import DEMO, ROOT, TINY, free_port, overrides, run_trainer, scalars
 
 pytestmark = pytest.mark.slow
 STEPS = 8
@@ -72,12 +71,6 @@ def test_standalone_evaluation_matches_the_four_rank_log(four_ranks):
     assert standalone == pytest.approx(logged, rel=1e-5)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch_two_nodes(tmp_path, settings: dict) -> list[tuple[int, str, str]]:
     """Two torchrun launches of 2 ranks, as on two machines, each in its own folder node0/node1,
     where relative checkpoint and log paths land (a node's local disk). (exit code, stdout, stderr) each."""
@@ -100,7 +93,7 @@ def test_two_nodes_match_one_process(strategy, single_process, corpus, tmp_path)
     for code, _, stderr in outputs:
         assert code == 0, stderr[-3000:]
     if strategy.startswith("HYBRID"):  # sharded inside a node, replicated across the two
-        assert "mesh DeviceMesh((replicate=2, shard=2)" in outputs[0][1]
+        assert "mesh (replicate=2, shard=2)" in outputs[0][1]
     assert_parity(single_process, str(tmp_path / "node0"))
     # global rank 0 alone prints, logs and writes the full checkpoint
     assert os.listdir(tmp_path / "node1") == []
@@ -124,3 +117,38 @@ def test_sharded_checkpoints_on_node_local_disks(corpus, tmp_path):
         assert code != 0 and "starting from scratch" not in stdout
         assert ("ranks [2, 3] can't see ckpt/fsdp_sharded_cpt2.complete, which rank 0 sees: a sharded resume needs "
                 "checkpoint_dir on a filesystem every node shares (or checkpoint_type: full)") in stderr
+
+
+FAKE_SRUN = """#!/bin/bash
+# stand-in for SLURM's srun: the command once per node, each with the variables SLURM gives its task
+while [[ $1 == --* ]]; do shift; done
+for ((node = 0; node < SLURM_NNODES; node++)); do
+    SLURM_NODEID=$node SLURM_PROCID=$node SLURM_LOCALID=0 SLURM_NTASKS=$SLURM_NNODES "$@" &
+done
+code=0
+for pid in $(jobs -p); do wait "$pid" || code=$?; done
+exit $code
+"""
+
+
+def test_slurm_script_gives_each_node_its_rank(single_process, corpus, tmp_path):
+    """train_slurm.sh as sbatch runs it, with stand-ins for srun and scontrol: two loopback nodes
+    of 2 ranks each form one run of 4 ranks, which trains as one process does."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(FAKE_SRUN)
+    # the head node first, then a large allocation's worth of others (a reader that stops early
+    # would end scontrol with SIGPIPE)
+    (bin_dir / "scontrol").write_text("#!/bin/bash\necho 127.0.0.1\nseq -f 'node%g' 100000\n")
+    for tool in ("srun", "scontrol"):
+        (bin_dir / tool).chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.path.dirname(sys.executable)}:{os.environ['PATH']}", OMP_NUM_THREADS="1",
+               SLURM_JOB_NODELIST="node[1-2]", SLURM_NNODES="2", SLURM_NTASKS="2", NPROC_PER_NODE="2",
+               MASTER_PORT=str(free_port()))
+    settings = TINY | corpus | dict(max_iters=STEPS, checkpoint_dir=str(tmp_path / "ckpt"),
+                                    tensorboard_dir=str(tmp_path / "tb"))
+    result = subprocess.run(["bash", os.path.join(ROOT, "train_slurm.sh"), DEMO, *overrides(**settings)], cwd=ROOT,
+                            env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "4 ranks, FULL_SHARD" in result.stdout
+    assert_parity(single_process, str(tmp_path))
