@@ -6,6 +6,7 @@ import dataclasses
 import difflib
 import os
 import sys
+import textwrap
 import typing
 from dataclasses import dataclass
 
@@ -16,13 +17,14 @@ class UserError(Exception):
     """Bad input from the user: reported as one line and a non-zero exit, never a traceback."""
 
 
-def exit_code(body: typing.Callable[[], int | None]) -> int:
-    """A command's exit code: what body returns (None: 0), or 2 after one `error:` line when it
-    raises UserError. One write: the ranks of a run may share the stream."""
+def exit_code(body: typing.Callable[[], int | None], report: bool = True) -> int:
+    """A command's exit code: what body returns (None: 0), or 2 after one `error:` line (unless
+    report is off) when it raises UserError. One write: several processes may share the stream."""
     try:
         return body() or 0
     except UserError as e:
-        sys.stderr.write(f"error: {e}\n")
+        if report:
+            sys.stderr.write(f"error: {e}\n")
         return 2
 
 
@@ -35,67 +37,81 @@ MODEL_SHAPE_KEYS = ("arch", "vocab_size", "block_size", "n_layer", "n_head", "n_
 ARCHS = ("gpt2", "llama")
 
 
+def key(default, meaning: str):
+    """A config key: its default and a one-line meaning (train_fsdp.py --help, docs/config.md)."""
+    return dataclasses.field(default=default, metadata={"meaning": meaning})
+
+
 @dataclass
 class TrainConfig:
-    # model (defaults: GPT-2 small)
-    vocab_size: int | None = None  # None: the tokenizer's vocabulary rounded up to a multiple of 64
-    block_size: int = 1024
-    n_layer: int = 12
-    n_head: int = 12
-    n_embd: int = 768
-    dropout: float = 0.0
-    bias: bool = True  # gpt2 only: llama has none
-    arch: str = "gpt2"  # or llama: RMSNorm, RoPE, SwiGLU, grouped-query attention (model.py)
-    n_kv_head: int | None = None  # llama: key/value heads; None: n_head
-    rope_theta: float = 10000.0
-    qk_norm: bool = False  # llama: RMSNorm of q and k per head (Qwen3)
-    tie_embeddings: bool | None = None  # None: tied for gpt2, untied for llama
-    ffn_hidden: int | None = None  # MLP width; None: 4 n_embd (gpt2), 8/3 n_embd rounded up to 256 (llama)
-    norm_eps: float = 1e-5
-    init_from: str | None = None  # a Hugging Face folder (GPT-2, Llama, Qwen3 safetensors) to start from
-    # data
-    data_path: str = "data/stdlib_bytes"
-    data_source: str | list | None = "stdlib"
-    tokenizer: str = "gpt2"
-    # batch: train_batch is GLOBAL sequences per optimizer step
-    train_batch: int = 480
-    micro_batch: int = 12
-    # optimizer and schedule (steps count from 1)
-    optimizer: str = "adamw"  # muon: Muon for the blocks' matrices, AdamW for the rest (muon.py)
-    muon_momentum: float = 0.95
-    learning_rate: float = 6e-4
-    min_lr: float = 6e-5
-    warmup_iters: int = 2000
-    lr_decay_iters: int = 600000
-    max_iters: int = 600000
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0
-    # fsdp
-    fsdp: bool = True
-    sharding_strategy: str = "FULL_SHARD"
-    fsdp_size: int | None = None  # HYBRID group size; None: the ranks of one node
-    dtype: str = "auto"
-    reduce_dtype: str = "fp32"
-    cpu_offload: bool = False
-    activation_checkpointing: bool = False
-    compile: bool = False
-    world_size: int | None = None
-    # checkpoints
-    checkpoint_dir: str = "checkpoints"
-    checkpoint_type: str = "full"
-    save_interval: int = 1000
-    keep_last: int = 0  # 0 keeps every checkpoint
-    async_save: bool = False
-    resume_from: str | None = None  # a checkpoint file, a {rank} pattern, or "latest"
-    # logging
-    log_interval: int = 10
-    eval_interval: int = 500
-    eval_iters: int = 20  # val/loss covers eval_iters * train_batch sequences
-    sample_tokens: int = 64  # text sampled at each eval, shown in TensorBoard (0: none)
-    tensorboard_dir: str = "tensorboard"
-    seed: int = 1337
+    """Defaults: GPT-2 small (124M) on 0.5M-token steps. Groups start where GROUPS says."""
+    arch: str = key("gpt2", "gpt2 (LayerNorm, learned positions, GELU, tied head) or llama (RMSNorm, RoPE, "
+                            "SwiGLU, grouped-query attention)")
+    vocab_size: int | None = key(None, "embedding rows; null: the data's vocabulary (or the tokenizer's), rounded "
+                                       "up to a multiple of 64")
+    block_size: int = key(1024, "tokens per sequence (the context length)")
+    n_layer: int = key(12, "DecoderBlocks (each is one FSDP unit)")
+    n_head: int = key(12, "attention (query) heads; must divide n_embd")
+    n_embd: int = key(768, "model width")
+    dropout: float = key(0.0, "dropout rate after embeddings, in attention and after each sublayer (0: none)")
+    bias: bool = key(True, "gpt2: biases in Linear and LayerNorm layers (llama has none)")
+    n_kv_head: int | None = key(None, "llama: key/value heads (grouped-query attention), dividing n_head; null: "
+                                      "n_head")
+    rope_theta: float = key(10000.0, "llama: RoPE base")
+    qk_norm: bool = key(False, "llama: RMSNorm of each head's q and k (Qwen3; exports as Qwen3ForCausalLM)")
+    tie_embeddings: bool | None = key(None, "LM head shares the token embedding; null: true for gpt2, false for "
+                                            "llama")
+    ffn_hidden: int | None = key(None, "MLP width; null: 4 n_embd (gpt2), 8/3 n_embd rounded up to 256 (llama)")
+    norm_eps: float = key(1e-5, "epsilon of LayerNorm / RMSNorm")
+    init_from: str | None = key(None, "a Hugging Face folder (GPT-2, Llama, Qwen3 safetensors) to start from "
+                                      "instead of the seed's weights")
+    data_path: str = key("data/stdlib_bytes", "prepared data (train.bin, val.bin, meta.json: data.py prepare), or "
+                                              "a folder of llm.c token shards")
+    data_source: str | list | None = key("stdlib", "what to prepare into data_path on first use: files, folders, "
+                                                   "globs, a list, or stdlib; null: prepared already")
+    tokenizer: str = key("gpt2", "a tiktoken encoding (gpt2, cl100k_base, ...) or bytes; prepared data keeps its "
+                                 "own")
+    train_batch: int = key(480, "sequences per optimizer step, GLOBAL: split over the data-parallel ranks")
+    micro_batch: int = key(12, "sequences per rank per forward; accumulation = train_batch / (micro_batch x "
+                               "ranks)")
+    optimizer: str = key("adamw", "adamw, or muon (Muon for the blocks' matrices, AdamW for the rest)")
+    muon_momentum: float = key(0.95, "muon: momentum of the matrices (Nesterov)")
+    learning_rate: float = key(6e-4, "peak learning rate (Muon's updates are scaled to AdamW's RMS: one rate)")
+    min_lr: float = key(6e-5, "learning rate at the end of the decay")
+    warmup_iters: int = key(2000, "steps of linear warmup from 0 to learning_rate")
+    lr_decay_iters: int = key(600000, "step at which the cosine reaches min_lr")
+    max_iters: int = key(600000, "optimizer steps of the run (a resume with more extends it)")
+    weight_decay: float = key(0.1, "decoupled weight decay of matmul and embedding weights (none on norms, biases)")
+    beta1: float = key(0.9, "AdamW's first-moment decay")
+    beta2: float = key(0.95, "AdamW's second-moment decay")
+    grad_clip: float = key(1.0, "clip the global gradient norm to this (0: no clipping)")
+    fsdp: bool = key(True, "FSDP2 (true) or DDP (false); one process runs unwrapped either way")
+    sharding_strategy: str = key("FULL_SHARD", "FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD or "
+                                               "HYBRID_SHARD_ZERO2")
+    fsdp_size: int | None = key(None, "HYBRID_SHARD: ranks per shard group, dividing the world size; null: the "
+                                      "ranks of one node")
+    dtype: str = key("auto", "compute dtype: auto (bf16 on GPUs that have it, else fp16 with loss scaling; fp32 on "
+                             "CPU), bf16, fp16 or fp32")
+    reduce_dtype: str = key("fp32", "FSDP's gradient reduction dtype (DDP reduces the gradients as they are, fp32)")
+    cpu_offload: bool = key(False, "FSDP: parameters, gradients and optimizer state in host memory")
+    activation_checkpointing: bool = key(False, "recompute each DecoderBlock's activations in backward")
+    compile: bool = key(False, "torch.compile each DecoderBlock")
+    world_size: int | None = key(None, "the launch size the config was written for: another is reported, not "
+                                       "refused; null: any")
+    checkpoint_dir: str = key("checkpoints", "where checkpoints go")
+    checkpoint_type: str = key("full", "full (one file of plain tensors, written by rank 0) or sharded (a file per "
+                                       "rank)")
+    save_interval: int = key(1000, "steps between checkpoints; one is also written after the last step")
+    keep_last: int = key(0, "after each save, remove all but the newest N checkpoints up to it (0: keep all)")
+    async_save: bool = key(False, "write checkpoints in a background thread while training goes on")
+    resume_from: str | None = key(None, "a checkpoint file, a rank file or {rank} pattern, or latest (none yet: "
+                                        "start fresh)")
+    log_interval: int = key(10, "steps between console lines and train/ scalars")
+    eval_interval: int = key(500, "steps between val/loss evaluations (also at step 0 and after the last)")
+    eval_iters: int = key(20, "val/loss covers the first eval_iters x train_batch windows of val.bin")
+    sample_tokens: int = key(64, "tokens of text sampled at each eval into TensorBoard (0: none)")
+    tensorboard_dir: str = key("tensorboard", "where TensorBoard events go")
+    seed: int = key(1337, "initial weights, the data order and dropout masks follow from it")
 
     @property
     def model_shape(self) -> dict:
@@ -103,6 +119,51 @@ class TrainConfig:
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+# each group's first key, in the dataclass's order: --help and docs/config.md list the keys so
+GROUPS = {"arch": "model", "data_path": "data", "train_batch": "batch", "optimizer": "optimizer and schedule",
+          "fsdp": "distribution and precision", "checkpoint_dir": "checkpoints", "log_interval": "logging"}
+
+
+def grouped_keys() -> dict[str, list[dataclasses.Field]]:
+    groups = {}
+    for f in FIELDS.values():
+        groups.setdefault(GROUPS.get(f.name, next(reversed(groups), None)), []).append(f)
+    return groups
+
+
+def _type_name(f: dataclasses.Field) -> str:
+    names = ["null" if t is type(None) else t.__name__ for t in typing.get_args(f.type) or (f.type,)]
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
+
+
+def _default(f: dataclasses.Field) -> str:
+    return "null" if f.default is None else str(f.default).lower() if isinstance(f.default, bool) else str(f.default)
+
+
+USAGE = "usage: python train_fsdp.py CONFIG.yaml [--key=value ...]   (or under torchrun)"
+
+
+def help_text() -> str:
+    """What train_fsdp.py --help prints: every key by group, with its type, default and meaning."""
+    lines = [USAGE, "", "Config keys: defaults < CONFIG.yaml < --key=value (the last one wins). Values read as YAML:",
+             "3e-3 is a float, true a bool, null nothing. The same table: docs/config.md."]
+    for group, fields in grouped_keys().items():
+        lines += ["", group]
+        for f in fields:  # the default as an override, then the meaning below it
+            lines.append(f"  --{f.name}={_default(f)}  ({_type_name(f)})")
+            lines += textwrap.wrap(f.metadata["meaning"], 100, initial_indent=" " * 6, subsequent_indent=" " * 6,
+                                   break_on_hyphens=False)
+    return "\n".join(lines)
+
+
+def keys_markdown() -> str:
+    """docs/config.md's tables: one per group (tests/test_config.py keeps the page equal to this)."""
+    parts = []
+    for group, fields in grouped_keys().items():
+        parts += [f"### {group}", "", "| key | type | default | meaning |", "| --- | --- | --- | --- |"]
+        parts += [f"| `{f.name}` | {_type_name(f)} | `{_default(f)}` | {f.metadata['meaning']} |" for f in fields]
+        parts.append("")
+    return "\n".join(parts)
 
 
 def _parse_cli_value(text: str):
@@ -146,7 +207,7 @@ def _check_key(key: str, where: str):
 def parse_args(argv: list[str]) -> TrainConfig:
     """argv: CONFIG.yaml followed by --key=value or --key value overrides (last one wins)."""
     if not argv or argv[0].startswith("--"):
-        raise UserError("usage: train_fsdp.py CONFIG.yaml [--key=value ...]")
+        raise UserError(f"{USAGE}; --help lists the keys")
     path, rest = argv[0], argv[1:]
     if not os.path.isfile(path):
         raise UserError(f"config file not found: {path}")

@@ -312,11 +312,7 @@ def prepare_data(data_path: str, sources, tokenizer: str, **options) -> dict:
     if not os.path.isfile(meta_path):  # nanoGPT's format: uint16 ids of the configured tokenizer
         return {"tokenizer": tokenizer, "vocab_size": None, "dtype": "uint16"}
     with open(meta_path) as f:
-        meta = json.load(f)
-    if meta["tokenizer"] != tokenizer:
-        print(f"note: {data_path} was prepared with tokenizer '{meta['tokenizer']}', which is used "
-              f"instead of the configured '{tokenizer}'", file=sys.stderr)
-    return meta
+        return json.load(f)
 
 
 # ---- llm.c shards, read as they are ----

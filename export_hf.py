@@ -11,7 +11,6 @@ model.GPT, plus tokenizer files for tiktoken tokenizers.
 import re
 import sys
 
-import torch
 
 from config import UserError, exit_code
 from data import get_tokenizer

@@ -5,12 +5,13 @@ Export builds the transformers model (export_hf.py); import (`init_from`) reads 
 the safetensors files directly, so training from published weights needs no transformers.
 """
 import json
+import math
 import os
 
 import torch
 
 from config import UserError
-from model import GPTConfig
+from model import GPT, GPTConfig
 
 # model.GPT uses nn.Linear (out, in); GPT-2's Conv1D stores the transpose (in, out)
 CONV1D_SUFFIXES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -79,21 +80,41 @@ def _llama_to_hf(name: str, tensor: torch.Tensor, cfg: GPTConfig) -> dict:
 # ---- import: a Hugging Face folder -> model keys and model.GPT's state dict ----
 
 def read_hf_folder(folder: str) -> tuple[dict, dict]:
-    """(model keys as GPTConfig takes them, state dict in model.GPT's names) of a folder."""
+    """(model keys as GPTConfig takes them, state dict in model.GPT's names) of a folder. A folder
+    that is not what it claims (JSON, keys, tensors, file sizes) is refused with one line naming
+    the file and what is wrong."""
     path = os.path.join(folder, "config.json")
     if not os.path.isfile(path):
         raise UserError(f"init_from: {folder}/ has no config.json (a Hugging Face model folder is needed)")
-    with open(path) as f:
-        config = json.load(f)
-    architecture = (config.get("architectures") or ["?"])[0]
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"init_from: {path} is not JSON ({e})")
+    architecture = (config.get("architectures") or ["?"])[0] if isinstance(config, dict) else "?"
     readers = {"GPT2LMHeadModel": _gpt2_keys, "LlamaForCausalLM": _llama_keys, "Qwen3ForCausalLM": _llama_keys}
     if architecture not in readers:
         raise UserError(f"init_from: {folder}/ holds a {architecture}; this trainer starts from "
                         f"{', '.join(readers)}")
-    keys = readers[architecture](config, folder)
+    try:
+        keys = readers[architecture](config, folder)
+    except KeyError as e:
+        raise UserError(f"init_from: {path} has no {e.args[0]!r}, which a {architecture} config holds")
     tensors = read_safetensors(folder)
     cfg = GPTConfig(**keys)
-    state = _gpt2_from_hf(tensors) if cfg.arch == "gpt2" else _llama_from_hf(tensors, cfg)
+    try:
+        state = _gpt2_from_hf(tensors) if cfg.arch == "gpt2" else _llama_from_hf(tensors, cfg)
+    except KeyError as e:
+        raise UserError(f"init_from: {folder}/ has no tensor {e.args[0]!r}, which its config's {architecture} holds")
+    with torch.device("meta"):
+        expected = GPT(cfg).state_dict()
+    for name, tensor in expected.items():
+        if name not in state:
+            raise UserError(f"init_from: {folder}/ has no tensor for {name} (model.GPT's name), which its config's "
+                            f"{architecture} holds")
+        if state[name].shape != tensor.shape:
+            raise UserError(f"init_from: {folder}/: {name} (model.GPT's name) has shape {list(state[name].shape)}, "
+                            f"its config.json makes it {list(tensor.shape)}")
     return keys, state
 
 
@@ -135,13 +156,16 @@ def _gpt2_from_hf(tensors: dict) -> dict:
 
 def _llama_from_hf(tensors: dict, cfg: GPTConfig) -> dict:
     state = {ours: tensors[theirs] for ours, theirs in LLAMA_ROOT.items() if theirs in tensors}
-    state.setdefault("lm_head.weight", state["wte.weight"])  # tied: no lm_head in the file
+    state.setdefault("lm_head.weight", tensors[LLAMA_ROOT["wte.weight"]])  # tied: no lm_head in the file
     for i in range(cfg.n_layer):
-        layer = {name.removeprefix(f"model.layers.{i}."): t for name, t in tensors.items()
-                 if name.startswith(f"model.layers.{i}.")}
-        state |= {f"blocks.{i}.{ours}": layer[theirs] for ours, theirs in LLAMA_BLOCK.items() if theirs in layer}
-        state[f"blocks.{i}.attn.c_attn.weight"] = torch.cat([layer[f"self_attn.{p}_proj.weight"] for p in "qkv"])
-        state[f"blocks.{i}.mlp.c_fc.weight"] = torch.cat([layer["mlp.gate_proj.weight"], layer["mlp.up_proj.weight"]])
+        prefix = f"model.layers.{i}."
+        block = dict(LLAMA_BLOCK)
+        if not cfg.qk_norm:
+            del block["attn.ln_q.weight"], block["attn.ln_k.weight"]
+        state |= {f"blocks.{i}.{ours}": tensors[prefix + theirs] for ours, theirs in block.items()}
+        state[f"blocks.{i}.attn.c_attn.weight"] = torch.cat([tensors[f"{prefix}self_attn.{p}_proj.weight"] for p in "qkv"])
+        state[f"blocks.{i}.mlp.c_fc.weight"] = torch.cat([tensors[prefix + "mlp.gate_proj.weight"],
+                                                          tensors[prefix + "mlp.up_proj.weight"]])
     return state
 
 
@@ -161,18 +185,46 @@ def read_safetensors(folder: str) -> dict:
         path = os.path.join(folder, name)
         if not os.path.isfile(path):
             raise UserError(f"init_from: {path} is missing (only safetensors weights are read)")
-        with open(path, "rb") as f:
-            # the format: an 8-byte little-endian header length, a JSON header, then the raw bytes
-            header_size = int.from_bytes(f.read(8), "little")
+        tensors |= _read_safetensors_file(path)
+    return tensors
+
+
+def _read_safetensors_file(path: str) -> dict:
+    """The format: an 8-byte little-endian header length, a JSON header ({name: dtype, shape,
+    data_offsets}), then the raw bytes. Checked against the file's size before anything is read."""
+    def refuse(what: str) -> UserError:
+        return UserError(f"init_from: {path}: {what}")
+
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        if size < 8:
+            raise refuse(f"truncated: {size} bytes, shorter than the header's length field")
+        header_size = int.from_bytes(f.read(8), "little")
+        if 8 + header_size > size:
+            raise refuse(f"the header claims {header_size:,} bytes, more than the {size - 8:,} after its length: "
+                         f"truncated, or not a safetensors file")
+        try:
             header = json.loads(f.read(header_size))
-            for key, meta in header.items():
-                if key == "__metadata__":
-                    continue
-                if meta["dtype"] not in SAFETENSORS_DTYPES:
-                    raise UserError(f"init_from: {path}: tensor {key} is {meta['dtype']}; F32, F16 and BF16 are read")
-                start, end = meta["data_offsets"]
-                f.seek(8 + header_size + start)  # one tensor in memory at a time, besides the fp32 copies
-                raw = torch.frombuffer(bytearray(f.read(end - start)), dtype=torch.uint8) if end > start \
-                    else torch.empty(0, dtype=torch.uint8)
-                tensors[key] = raw.view(SAFETENSORS_DTYPES[meta["dtype"]]).reshape(meta["shape"]).float()
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise refuse(f"the header is not JSON ({e})")
+        data_size, tensors = size - 8 - header_size, {}
+        for key, meta in header.items():
+            if key == "__metadata__":
+                continue
+            try:
+                dtype, shape, (start, end) = meta["dtype"], meta["shape"], meta["data_offsets"]
+            except (KeyError, TypeError, ValueError):
+                raise refuse(f"tensor {key}'s header entry lacks dtype, shape or data_offsets")
+            if dtype not in SAFETENSORS_DTYPES:
+                raise refuse(f"tensor {key} is {dtype}; F32, F16 and BF16 are read")
+            needed = math.prod(shape) * SAFETENSORS_DTYPES[dtype].itemsize
+            if not 0 <= start <= end <= data_size:
+                raise refuse(f"tensor {key} lies at data bytes {start:,}..{end:,}, past the data's end ({data_size:,} "
+                             f"bytes): a truncated download? fetch it again")
+            if end - start != needed:
+                raise refuse(f"tensor {key} of shape {shape} needs {needed:,} bytes, its offsets hold {end - start:,}")
+            f.seek(8 + header_size + start)  # one tensor in memory at a time, besides the fp32 copies
+            raw = torch.frombuffer(bytearray(f.read(needed)), dtype=torch.uint8) if needed else \
+                torch.empty(0, dtype=torch.uint8)
+            tensors[key] = raw.view(SAFETENSORS_DTYPES[dtype]).reshape(shape).float()
     return tensors

@@ -152,7 +152,9 @@ def run_entry_point(body: Callable[[], int | None]) -> NoReturn:
     threads may still take the GIL, output is flushed, and the process ends without finalisation.
     """
     try:
-        code = exit_code(body)
+        # every rank raises the same UserError (config checks run everywhere; launch.agree makes a
+        # rank's own failure everyone's): rank 0 alone prints it, so the user reads one line
+        code = exit_code(body, report=os.environ.get("RANK", "0") == "0")
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except BaseException:  # noqa: BLE001 - the traceback is printed; the exit code says it failed

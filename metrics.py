@@ -1,4 +1,5 @@
 """Rank-0 progress reporting: console line, TensorBoard scalars, MFU and memory."""
+import glob
 import math
 import os
 import resource
@@ -94,14 +95,20 @@ class ProgressLog:
     """Created on every rank; only rank 0 prints and writes TensorBoard events."""
 
     def __init__(self, enabled: bool, tensorboard_dir: str, max_iters: int, tokens_per_step: int,
-                 flops_per_token: int, peak_flops: float | None):
+                 flops_per_token: int, device: torch.device, world_size: int):
         self.enabled, self.max_iters = enabled, max_iters
-        self.tokens_per_step, self.flops_per_token, self.peak_flops = tokens_per_step, flops_per_token, peak_flops
+        self.tokens_per_step, self.flops_per_token, self.peak_flops = tokens_per_step, flops_per_token, None
         self.writer = None
-        if enabled:
+        if enabled:  # the other ranks neither log nor measure (a CPU's peak is measured, not looked up)
             from torch.utils.tensorboard import SummaryWriter
             os.makedirs(tensorboard_dir, exist_ok=True)
             self.writer = SummaryWriter(log_dir=tensorboard_dir)
+            peak = device_peak_flops(device)
+            if peak is None:
+                print(f"note: MFU unknown for GPU '{torch.cuda.get_device_name(device)}': add its dense bf16 peak "
+                      f"FLOP/s to metrics.GPU_PEAK_FLOPS", flush=True)
+            else:
+                self.peak_flops = peak * world_size  # every rank's device alike
         self.mark_time, self.mark_step = time.perf_counter(), None
         self.run_peak = None  # every rank's memory peaks over the whole run (GPU peaks reset per log)
 
@@ -155,3 +162,31 @@ class ProgressLog:
         extra = "".join(f" | {name} {columns[name]}" for name in ("reserved", "host") if columns[name] != columns["peak"])
         print(f"memory per rank, GB: peak {columns['peak']} | parameters + optimizer state "
               f"{columns['state']}{extra}", flush=True)
+
+
+# ---- reading the events back (tests, bench/compare_runs.py) ----
+def _event_files(tb_dir: str):
+    """An EventAccumulator per TensorBoard events file in tb_dir, oldest first."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    for path in sorted(glob.glob(os.path.join(tb_dir, "events.*"))):
+        acc = EventAccumulator(path, size_guidance={"scalars": 0, "tensors": 0})
+        acc.Reload()
+        yield acc
+
+
+def read_scalars(tb_dir: str, tag: str) -> dict[int, float]:
+    """{step: value} of one TensorBoard tag across every events file in tb_dir."""
+    values = {}
+    for acc in _event_files(tb_dir):
+        if tag in acc.Tags()["scalars"]:
+            values |= {e.step: e.value for e in acc.Scalars(tag)}
+    return values
+
+
+def read_texts(tb_dir: str, tag: str) -> dict[int, str]:
+    """{step: text} of one TensorBoard text tag."""
+    values = {}
+    for acc in _event_files(tb_dir):
+        if f"{tag}/text_summary" in acc.Tags()["tensors"]:
+            values |= {e.step: e.tensor_proto.string_val[0].decode() for e in acc.Tensors(f"{tag}/text_summary")}
+    return values

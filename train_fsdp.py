@@ -1,4 +1,5 @@
 """Pretrain a GPT with FSDP2.  python train_fsdp.py CONFIG.yaml [--key=value ...]  (or under torchrun)
+python train_fsdp.py --help lists every config key with its type, default and meaning.
 
 Order of work: config -> process group and mesh -> data -> model on the meta device ->
 activation checkpointing -> compile -> fully_shard per DecoderBlock, then the root ->
@@ -15,14 +16,14 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.nn.parallel import DistributedDataParallel
 
 from ckpt_format import check_model_shape
-from config import UserError, parse_args, to_yaml
+from config import UserError, help_text, parse_args, to_yaml
 from data import get_tokenizer, prepare_data
 from evaluate import val_loss_sums
 from fsdp_ckpt import CheckpointManager
 from hf_format import read_hf_folder
 from loader import BatchLoader
 from launch import STRATEGY_TABLE, Topology, agree, init_distributed, run_entry_point
-from metrics import ProgressLog, device_peak_flops, per_rank_memory
+from metrics import ProgressLog, per_rank_memory
 from model import GPT, GPTConfig
 from muon import MuonWithAdamW, is_muon_matrix
 from precision import DTYPES, autocast, compute_dtype
@@ -225,6 +226,9 @@ def train(cfg) -> None:
     accum_steps = cfg.train_batch // (cfg.micro_batch * world)
     # each rank reads the data itself (node-local disks): a failure on one stops every rank
     meta = agree(lambda: prepare_data(cfg.data_path, cfg.data_source, cfg.tokenizer))
+    if topo.is_main and meta["tokenizer"] != cfg.tokenizer:
+        print(f"note: {cfg.data_path} was prepared with tokenizer '{meta['tokenizer']}', which is used instead of "
+              f"the configured '{cfg.tokenizer}'", flush=True)
     cfg.tokenizer = meta["tokenizer"]  # what the data holds: sampling and export decode with it
     tokenizer = resolve_vocabulary(cfg, meta, topo)
     gpt_cfg = GPTConfig(**cfg.model_shape, dropout=cfg.dropout)
@@ -245,12 +249,8 @@ def train(cfg) -> None:
     loader = BatchLoader(cfg.data_path, meta, cfg.block_size, cfg.train_batch, cfg.micro_batch,
                          rank, world, cfg.seed, device)
     tokens_per_step = cfg.train_batch * cfg.block_size
-    peak_flops = device_peak_flops(device)
-    if peak_flops is None and topo.is_main:
-        print(f"note: MFU unknown for GPU '{torch.cuda.get_device_name(device)}': add its dense bf16 peak FLOP/s "
-              f"to metrics.GPU_PEAK_FLOPS", flush=True)
-    log = ProgressLog(topo.is_main, cfg.tensorboard_dir, cfg.max_iters, tokens_per_step,
-                      gpt.flops_per_token(), None if peak_flops is None else peak_flops * world)
+    log = ProgressLog(topo.is_main, cfg.tensorboard_dir, cfg.max_iters, tokens_per_step, gpt.flops_per_token(),
+                      device, world)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     compute = forward_context(cfg, topo)
     if step == 0:
@@ -299,4 +299,6 @@ def train(cfg) -> None:
 
 
 if __name__ == "__main__":
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        sys.exit(print(help_text()))
     run_entry_point(lambda: train(parse_args(sys.argv[1:])))

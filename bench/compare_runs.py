@@ -16,9 +16,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests"))
 from config import UserError, exit_code  # noqa: E402
-from conftest import scalars  # noqa: E402
+from metrics import read_scalars  # noqa: E402
 
 
 def parse(argv: list[str]) -> tuple[str, list[list[str]], list[str], int]:
@@ -56,7 +55,7 @@ def train(config: str, overrides: list[str], nproc: int, run_dir: str) -> tuple[
         raise UserError(f"run failed: {' '.join(cmd)}\n{result.stderr[-2000:]}")
     print(f"  {' '.join(overrides)}: {time.perf_counter() - start:.0f} s", flush=True)
     params = re.search(r"^parameters: ([\d,]+)", result.stdout, re.MULTILINE).group(1)
-    return scalars(os.path.join(run_dir, "tb"), "val/loss"), params
+    return read_scalars(os.path.join(run_dir, "tb"), "val/loss"), params
 
 
 def first_step_reaching(losses: dict[int, float], target: float) -> str:

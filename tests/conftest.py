@@ -1,13 +1,21 @@
-"""Shared helpers: a tiny corpus, a tiny model config, and launching the real trainer."""
-import glob
+"""Shared helpers: a tiny corpus, a tiny model config, launching the real trainer (through the
+zygote), and the runs many tests read, launched once per session."""
+import contextlib
+import fcntl
 import os
+import shutil
 import socket
 import subprocess
 import sys
 import sysconfig
+import tempfile
 
 import pytest
 import torch.distributed as dist
+
+import zygote
+from data import prepare_data
+from metrics import read_scalars as scalars, read_texts as texts  # noqa: F401 - the tests' names for them
 
 # Tests run on the CPU wherever they run: the trainer picks CUDA when it sees a GPU, and a 4-rank
 # test on a 1-GPU machine would die of an invalid device ordinal. Set before anything touches CUDA;
@@ -36,16 +44,78 @@ def overrides(**kwargs) -> list[str]:
     return [f"--{k}={'null' if v is None else v}" for k, v in kwargs.items()]
 
 
-def run_trainer(run_dir, nproc=1, config=DEMO, timeout=300, check=True, launcher=None, env=None, **kwargs):
-    """Run train_fsdp.py (under torchrun for nproc > 1) with TINY settings plus kwargs."""
+# the longest tests first, so that pytest-xdist's workers finish together instead of one of them
+# starting the demo last
+LONGEST_FIRST = ("test_demo.py::", "test_scale.py::test_full_shard_memory", "test_gpu_paths.py::test_gpu_check",
+                 "test_llama.py::test_resharded", "test_scale.py::test_feature")
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item):
+        return next((i for i, prefix in enumerate(LONGEST_FIRST) if prefix in item.nodeid), len(LONGEST_FIRST))
+    items.sort(key=rank)  # stable: otherwise the collected order
+
+
+_zygote = {}
+ZYGOTE = os.path.join(ROOT, "tests", "zygote.py")
+
+
+def zygote_socket(allocator: tuple = ()) -> str:
+    """The socket of this test process's zygote (tests/zygote.py) for glibc allocator settings
+    (MALLOC_* variables, which a process reads when it starts: its forks inherit them), started on
+    first use."""
+    if allocator not in _zygote:
+        path = os.path.join(tempfile.mkdtemp(prefix="zygote"), "socket")
+        process = subprocess.Popen([sys.executable, ZYGOTE, path], stdout=subprocess.PIPE, text=True,
+                                   env=dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
+                                            PYTHONUNBUFFERED="1", **dict(allocator)))
+        assert process.stdout.readline().strip() == "ready"
+        _zygote[allocator] = (process, path)
+    return _zygote[allocator][1]
+
+
+def run_in_zygote(argv: list[str], cwd: str, env: dict, nproc: int, timeout: float) -> subprocess.CompletedProcess:
+    """`python argv...` on nproc ranks, forked by the zygote with env's allocator settings."""
+    allocator = tuple(sorted((k, v) for k, v in env.items() if k.startswith("MALLOC_")))
+    reply = zygote.request(zygote_socket(allocator), argv, str(cwd), env, nproc, free_port(), timeout)
+    if reply["timed_out"]:
+        raise subprocess.TimeoutExpired(argv, timeout, reply["stdout"], reply["stderr"])
+    return subprocess.CompletedProcess(argv, reply["returncode"], reply["stdout"], reply["stderr"])
+
+
+def launch(argv: list[str], cwd, nproc: int = 1, env: dict | None = None, timeout: float = 300,
+           launcher: list[str] | None = None) -> subprocess.CompletedProcess:
+    """`python argv...` on nproc ranks: through a zygote, which starts ranks as torchrun would
+    without importing torch for each, unless an explicit `launcher` command or the GPUs (which
+    the zygote hides) are asked for."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1") | (env or {})
+    if launcher is None and env.get("CUDA_VISIBLE_DEVICES") == "":
+        return run_in_zygote(argv, str(cwd), env, nproc, timeout)
+    cmd = (launcher or trainer_cmd(nproc)[:-1]) + argv
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def run_trainer(run_dir, nproc=1, config=DEMO, timeout=300, check=True, launcher=None, env=None,
+                script=os.path.join(ROOT, "train_fsdp.py"), **kwargs):
+    """Run the trainer (or a probe `script` that runs it) on nproc ranks with TINY settings plus kwargs."""
     settings = dict(TINY, checkpoint_dir=os.path.join(run_dir, "ckpt"),
                     tensorboard_dir=os.path.join(run_dir, "tb")) | kwargs
-    cmd = (launcher or trainer_cmd(nproc)) + [config] + overrides(**settings)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1") | (env or {})
-    result = subprocess.run(cmd, cwd=run_dir, env=env, capture_output=True, text=True, timeout=timeout)
+    result = launch([script, config] + overrides(**settings), run_dir, nproc, env, timeout, launcher)
     if check and result.returncode != 0:
         raise AssertionError(f"trainer failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
     return result
+
+
+def tool(script: str, *args, env: dict | None = None) -> str:
+    """What a tool (sample.py, evaluate.py, export_hf.py, fsdp_ckpt.py) prints; it must exit 0."""
+    result = launch([os.path.join(ROOT, script), *map(str, args)], ROOT, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+def evaluated(checkpoint, *args, env: dict | None = None) -> float:
+    """The val loss evaluate.py reports for a checkpoint."""
+    return float(tool("evaluate.py", checkpoint, *args, env=env).split("val loss ")[1].split()[0])
 
 
 def free_port() -> int:
@@ -54,70 +124,82 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launcher_once(tmp_path_factory, **common):
+@contextlib.contextmanager
+def _locked(path):
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+def shared(tmp_path_factory, name: str, make) -> str:
+    """The folder `name`, made by make(folder) once per session whichever test (or pytest-xdist
+    worker) asks first; the others wait for it, then read it."""
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared"  # one per session
+    folder = root / name
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(f"{folder}.lock"):
+        if not (folder / ".done").exists():
+            shutil.rmtree(folder, ignore_errors=True)  # a failed attempt's leftovers
+            folder.mkdir()
+            make(str(folder))
+            (folder / ".done").touch()
+    return str(folder)
+
+
+def launcher_once(tmp_path_factory, group: str, **common):
     """run(name, nproc, **settings) -> the folder of a trainer run with `common` and `settings`,
-    launched the first time a name is asked for (module fixtures share runs between tests)."""
-    made = {}
+    launched the first time `group/name` is asked for in the session."""
+    def launch(folder: str, nproc: int, settings: dict) -> None:
+        result = run_trainer(folder, nproc=nproc, **(common | settings))
+        with open(os.path.join(folder, "stdout.txt"), "w") as f:  # what the run printed, for tests to read
+            f.write(result.stdout)
 
     def run(name: str, nproc: int, **settings) -> str:
-        if name not in made:
-            made[name] = str(tmp_path_factory.mktemp(name))
-            run_trainer(made[name], nproc=nproc, **(common | settings))
-        return made[name]
+        return shared(tmp_path_factory, f"{group}/{name}", lambda folder: launch(folder, nproc, settings))
     return run
-
-
-def _event_files(tb_dir: str):
-    """An EventAccumulator per TensorBoard events file in tb_dir, oldest first."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    for path in sorted(glob.glob(os.path.join(tb_dir, "events.*"))):
-        acc = EventAccumulator(path, size_guidance={"scalars": 0, "tensors": 0})
-        acc.Reload()
-        yield acc
-
-
-def scalars(tb_dir: str, tag: str) -> dict[int, float]:
-    """{step: value} of one TensorBoard tag across every events file in tb_dir."""
-    values = {}
-    for acc in _event_files(tb_dir):
-        if tag in acc.Tags()["scalars"]:
-            values |= {e.step: e.value for e in acc.Scalars(tag)}
-    return values
-
-
-def texts(tb_dir: str, tag: str) -> dict[int, str]:
-    """{step: text} of one TensorBoard text tag."""
-    values = {}
-    for acc in _event_files(tb_dir):
-        if f"{tag}/text_summary" in acc.Tags()["tensors"]:
-            values |= {e.step: e.tensor_proto.string_val[0].decode() for e in acc.Tensors(f"{tag}/text_summary")}
-    return values
 
 
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory) -> dict:
-    """A small byte-level dataset prepared once from a few standard-library modules."""
+    """A small byte-level dataset from a few standard-library modules, prepared once."""
     stdlib = sysconfig.get_paths()["stdlib"]
-    data_path = str(tmp_path_factory.mktemp("data") / "tiny")
-    source = os.path.join(stdlib, "json", "*.py")
-    return dict(data_path=data_path, data_source=f"[{source}, {os.path.join(stdlib, 'email', '*.py')}]")
+    sources = [os.path.join(stdlib, "json", "*.py"), os.path.join(stdlib, "email", "*.py")]
+    folder = shared(tmp_path_factory, "corpus", lambda folder: prepare_data(folder, sources, "bytes"))
+    return dict(data_path=folder, data_source=f"[{', '.join(sources)}]")
 
 
 # 24 sequences a step: 1, 2, 3 and 4 ranks each take whole micro-batches of 2
 RUN = dict(train_batch=24, max_iters=6, save_interval=3, eval_interval=3)
+# The runs many tests read: RUN's 6 steps, checkpoints at 3 and 6, each launched once per session.
+CANONICAL = {  # name: (ranks, settings)
+    "one": (1, dict(checkpoint_type="full")),
+    # with a text sample at each eval: the model generates between training steps
+    "full2": (2, dict(checkpoint_type="full", sample_tokens=8)),
+    "sharded2": (2, dict(checkpoint_type="sharded", async_save=True, sample_tokens=8)),
+    "FULL_SHARD": (4, dict(checkpoint_type="sharded")),
+    "SHARD_GRAD_OP": (4, dict(sharding_strategy="SHARD_GRAD_OP", checkpoint_type="sharded")),
+    "NO_SHARD": (4, dict(sharding_strategy="NO_SHARD", checkpoint_type="sharded")),
+    "HYBRID_SHARD": (4, dict(sharding_strategy="HYBRID_SHARD", fsdp_size=2, checkpoint_type="sharded")),
+    "DDP": (4, dict(fsdp=False, checkpoint_type="sharded")),
+}
 
 
 @pytest.fixture(scope="session")
-def two_rank_runs(corpus, tmp_path_factory):
-    """Two 2-rank runs of 6 steps, checkpointing at 3 and 6: one full, one sharded (written async)."""
-    runs = {}
-    for kind in ("full", "sharded"):
-        run_dir = str(tmp_path_factory.mktemp(kind))
-        # with a text sample at each eval: the sharded model generates between training steps
-        run_trainer(run_dir, nproc=2, checkpoint_type=kind, async_save=kind == "sharded", sample_tokens=8,
-                    **RUN, **corpus)
-        runs[kind] = run_dir
-    return runs
+def run_of(corpus, tmp_path_factory):
+    """run_of(name) -> the folder of the CANONICAL run `name`."""
+    launch = launcher_once(tmp_path_factory, "canonical", **RUN, **corpus)
+    return lambda name: launch(name, CANONICAL[name][0], **CANONICAL[name][1])
+
+
+@pytest.fixture(scope="session")
+def two_rank_runs(run_of):
+    """{"full": ..., "sharded": ...}: the two 2-rank runs (the sharded one written async), each
+    launched when first read."""
+    class Runs:
+        def __getitem__(self, kind):
+            return run_of({"full": "full2", "sharded": "sharded2"}[kind])
+    return Runs()
 
 
 @pytest.fixture(scope="session")

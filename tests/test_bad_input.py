@@ -1,11 +1,17 @@
 """Bad input: one clear line naming the problem, a non-zero exit, no traceback."""
 import os
 import shutil
+import signal
+import subprocess
+import types
 
 import pytest
 import torch
+import torch.distributed as dist
 
-from conftest import ROOT, run_trainer
+import train_fsdp
+from config import exit_code, parse_args
+from conftest import DEMO, ROOT, TINY, overrides, run_trainer
 
 
 def assert_one_line_error(result, *phrases):
@@ -36,9 +42,19 @@ def assert_one_line_error(result, *phrases):
     # an unprepared data_path of its own: the session's corpus may be prepared already
     ({"data_source": "no/such/*.txt", "data_path": "unprepared"}, ["data_source 'no/such/*.txt' matches no file"]),
 ])
-def test_bad_config(override, phrases, corpus, tmp_path):
-    result = run_trainer(str(tmp_path), check=False, **(corpus | override))
-    assert_one_line_error(result, *phrases)
+def test_bad_config(override, phrases, corpus, tmp_path, monkeypatch, capsys):
+    """In this process: the trainer's body as its entry point runs it (exit_code); what a separate
+    process adds (the exit status itself) the tests below show."""
+    monkeypatch.chdir(tmp_path)
+    argv = [DEMO] + overrides(**(TINY | corpus | override))
+    try:
+        code = exit_code(lambda: train_fsdp.train(parse_args(argv)))
+    finally:
+        if dist.is_initialized():  # the failure came after the process group was made
+            dist.destroy_process_group()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the trainer's handler
+    out = capsys.readouterr()
+    assert_one_line_error(types.SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err), *phrases)
 
 
 def test_missing_config_file(tmp_path):
@@ -47,22 +63,19 @@ def test_missing_config_file(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def checkpoints(corpus, tmp_path_factory):
-    """One full and one sharded checkpoint of step 2 from a tiny run."""
-    run_dir = str(tmp_path_factory.mktemp("ckpts"))
-    run_trainer(run_dir, max_iters=2, save_interval=2, checkpoint_type="sharded", **corpus)
-    run_trainer(run_dir, max_iters=2, save_interval=2, **corpus)
-    return os.path.join(run_dir, "ckpt")
+def checkpoints(two_rank_runs):
+    """{"full": folder, "sharded": folder} of the 2-rank runs: checkpoints of steps 3 and 6."""
+    return {kind: os.path.join(two_rank_runs[kind], "ckpt") for kind in ("full", "sharded")}
 
 
-def copy_of(checkpoints, tmp_path) -> str:
+def copy_of(checkpoints, kind, tmp_path) -> str:
     target = str(tmp_path / "ckpt")
-    shutil.copytree(checkpoints, target)
+    shutil.copytree(checkpoints[kind], target)
     return target
 
 
 def test_truncated_checkpoint(checkpoints, corpus, tmp_path):
-    path = os.path.join(copy_of(checkpoints, tmp_path), "fsdp_cpt2.pth")
+    path = os.path.join(copy_of(checkpoints, "full", tmp_path), "fsdp_cpt6.pth")
     with open(path, "r+b") as f:
         f.truncate(os.path.getsize(path) // 2)
     result = run_trainer(str(tmp_path), resume_from=path, check=False, **corpus)
@@ -78,25 +91,25 @@ def test_garbage_checkpoint(corpus, tmp_path):
 
 
 def test_checkpoint_of_another_shape(checkpoints, corpus, tmp_path):
-    path = os.path.join(checkpoints, "fsdp_cpt2.pth")
+    path = os.path.join(checkpoints["full"], "fsdp_cpt6.pth")
     result = run_trainer(str(tmp_path), resume_from=path, n_embd=32, check=False, **corpus)
     assert_one_line_error(result, "n_embd=64", "n_embd=32", "--n_embd=64")
 
 
 def test_missing_rank_file(checkpoints, corpus, tmp_path):
-    directory = copy_of(checkpoints, tmp_path)
-    os.remove(os.path.join(directory, "fsdp_sharded_cpt2_rank0.pth"))
-    marker = torch.load(os.path.join(directory, "fsdp_sharded_cpt2.complete"), weights_only=True)
-    assert marker["world_size"] == 1
-    result = run_trainer(str(tmp_path), resume_from=os.path.join(directory, "fsdp_sharded_cpt2_rank{rank}.pth"),
+    directory = copy_of(checkpoints, "sharded", tmp_path)
+    os.remove(os.path.join(directory, "fsdp_sharded_cpt6_rank0.pth"))
+    marker = torch.load(os.path.join(directory, "fsdp_sharded_cpt6.complete"), weights_only=True)
+    assert marker["world_size"] == 2
+    result = run_trainer(str(tmp_path), resume_from=os.path.join(directory, "fsdp_sharded_cpt6_rank{rank}.pth"),
                          check=False, **corpus)
-    assert_one_line_error(result, "not found", "fsdp_sharded_cpt2_rank0.pth")
+    assert_one_line_error(result, "not found", "fsdp_sharded_cpt6_rank0.pth")
 
 
 def test_incomplete_sharded_checkpoint(checkpoints, corpus, tmp_path):
-    directory = copy_of(checkpoints, tmp_path)
-    os.remove(os.path.join(directory, "fsdp_sharded_cpt2.complete"))
-    result = run_trainer(str(tmp_path), resume_from=os.path.join(directory, "fsdp_sharded_cpt2_rank0.pth"),
+    directory = copy_of(checkpoints, "sharded", tmp_path)
+    os.remove(os.path.join(directory, "fsdp_sharded_cpt6.complete"))
+    result = run_trainer(str(tmp_path), resume_from=os.path.join(directory, "fsdp_sharded_cpt6_rank0.pth"),
                          check=False, **corpus)
     assert_one_line_error(result, "incomplete")
 
@@ -105,6 +118,9 @@ def test_incomplete_sharded_checkpoint(checkpoints, corpus, tmp_path):
 def test_world_size_that_does_not_fit_the_mesh(corpus, tmp_path):
     result = run_trainer(str(tmp_path), nproc=3, sharding_strategy="HYBRID_SHARD", fsdp_size=2, check=False, **corpus)
     assert result.returncode != 0
-    # torchrun reports its failed child with a traceback of its own; none from this project
-    assert f'File "{ROOT}' not in result.stderr and "[rank0]: Traceback" not in result.stderr
-    assert "error: fsdp_size=2 must divide the world size 3" in result.stderr
+    # torchrun reports its failed child with a traceback of its own (from site-packages, which may
+    # lie inside the checkout, in a .venv); none from this project's files
+    project_files = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    assert project_files and not any(f'File "{os.path.join(ROOT, f)}"' in result.stderr for f in project_files)
+    assert "[rank0]: Traceback" not in result.stderr
+    assert result.stderr.count("error: ") == 1 and "error: fsdp_size=2 must divide the world size 3" in result.stderr

@@ -1,26 +1,24 @@
 """A full checkpoint is plain PyTorch: model.GPT loads it with no torch.distributed at all."""
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import ROOT, TINY, run_trainer, scalars
+from conftest import RUN, TINY, evaluated, run_trainer, scalars
 from model import GPT, GPTConfig
 
 pytestmark = pytest.mark.slow
 
 
-def test_full_checkpoint_loads_into_plain_gpt_and_gives_logged_val_loss(corpus, tmp_path):
-    run_trainer(str(tmp_path), nproc=2, max_iters=4, **corpus)
-    ckpt = torch.load(tmp_path / "ckpt" / "fsdp_cpt4.pth", weights_only=True)
+def test_full_checkpoint_loads_into_plain_gpt_and_gives_logged_val_loss(two_rank_runs, corpus):
+    run_dir = two_rank_runs["full"]  # 2 ranks, FULL_SHARD
+    ckpt = torch.load(os.path.join(run_dir, "ckpt", "fsdp_cpt6.pth"), weights_only=True)
     assert not torch.distributed.is_initialized()
     model = GPT(GPTConfig(**ckpt["model_config"]))
     model.load_state_dict(ckpt["model"])
-    assert ckpt["step"] == 4
+    assert ckpt["step"] == 6
     # the optimizer state of every parameter, not one rank's share
     assert len(ckpt["optimizer"]["state"]) == len(list(model.parameters()))
     for name, p in model.named_parameters():
@@ -29,22 +27,15 @@ def test_full_checkpoint_loads_into_plain_gpt_and_gives_logged_val_loss(corpus, 
     # val/loss as documented: the first eval_iters * train_batch consecutive windows of val.bin
     T = TINY["block_size"]
     val = np.memmap(os.path.join(corpus["data_path"], "val.bin"), dtype=np.uint16, mode="r")
-    windows = np.stack([val[i * T:i * T + T + 1] for i in range(TINY["eval_iters"] * TINY["train_batch"])])
+    windows = np.stack([val[i * T:i * T + T + 1] for i in range(TINY["eval_iters"] * RUN["train_batch"])])
     x, y = (torch.from_numpy(windows.astype(np.int64))[:, s] for s in (slice(0, -1), slice(1, None)))
     model.eval()
     with torch.no_grad():
         logits, _ = model(x)
     loss = F.cross_entropy(logits.flatten(0, 1), y.flatten()).item()
-    logged = scalars(str(tmp_path / "tb"), "val/loss")[4]
+    logged = scalars(os.path.join(run_dir, "tb"), "val/loss")[6]
     assert loss == pytest.approx(logged, rel=1e-5)
-    assert logged < scalars(str(tmp_path / "tb"), "val/loss")[0]
-
-
-def evaluated(checkpoint, *args) -> float:
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "evaluate.py"), str(checkpoint), *args],
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    return float(result.stdout.split("val loss ")[1].split()[0])
+    assert logged < scalars(os.path.join(run_dir, "tb"), "val/loss")[0]
 
 
 def test_evaluate_gives_a_bf16_runs_logged_val_loss(corpus, tmp_path):

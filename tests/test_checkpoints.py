@@ -13,10 +13,10 @@ import pytest
 import torch
 
 import ckpt_format
-import fsdp_ckpt
 from ckpt_format import save_atomically
 from config import TrainConfig, UserError
-from conftest import DEMO, ROOT, RUN, TINY, checkpoint_of, overrides, run_trainer, scalars, trainer_cmd
+from conftest import (CANONICAL, DEMO, ROOT, RUN, TINY, checkpoint_of, overrides, run_trainer, scalars, tool,
+                      trainer_cmd)
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 from scale_plan import Plan  # noqa: E402
@@ -64,8 +64,7 @@ def test_one_process_checkpoint_resumes_on_two_ranks(two_rank_runs, corpus, tmp_
 
 def test_consolidated_sharded_equals_full(two_rank_runs, tmp_path):
     out = str(tmp_path / "consolidated.pth")
-    subprocess.run([sys.executable, fsdp_ckpt.__file__, "consolidate",
-                    checkpoint_of(two_rank_runs["sharded"], "sharded", 6), out], check=True, timeout=120)
+    tool("fsdp_ckpt.py", "consolidate", checkpoint_of(two_rank_runs["sharded"], "sharded", 6), out)
     full = torch.load(checkpoint_of(two_rank_runs["full"], "full", 6), weights_only=True)
     merged = torch.load(out, weights_only=True)
     assert merged["model"].keys() == full["model"].keys()
@@ -171,7 +170,11 @@ def test_kills_during_saves_leave_every_visible_checkpoint_loadable(corpus, tmp_
             max_iters=1000, lr_decay_iters=1000, save_interval=1, checkpoint_type=kind, eval_interval=1000,
             resume_from="latest", checkpoint_dir=str(tmp_path / "ckpt"), tensorboard_dir=str(tmp_path / "tb"))))
         proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        time.sleep(rng.uniform(4.0, 6.0))  # past start-up, into a stream of one save per step
+        saved = len(ckpt_format.complete_checkpoints(str(tmp_path / "ckpt")))
+        deadline = time.time() + 120
+        while len(ckpt_format.complete_checkpoints(str(tmp_path / "ckpt"))) == saved and time.time() < deadline:
+            time.sleep(0.05)  # until this launch has saved once: past start-up, into a save per step
+        time.sleep(rng.uniform(0.0, 1.5))
         proc.kill()
         proc.wait()
         directory = str(tmp_path / "ckpt")
@@ -189,8 +192,7 @@ def test_kills_during_saves_leave_every_visible_checkpoint_loadable(corpus, tmp_
 def test_resharded_checkpoint_resumes_bitwise_at_the_original_size(two_rank_runs, corpus, tmp_path):
     """2-rank shards -> consolidated into one full file -> resumed on 2 ranks: bitwise."""
     out = str(tmp_path / "fsdp_cpt3.pth")
-    subprocess.run([sys.executable, fsdp_ckpt.__file__, "consolidate",
-                    checkpoint_of(two_rank_runs["sharded"], "sharded", 3), out], check=True, timeout=120)
+    tool("fsdp_ckpt.py", "consolidate", checkpoint_of(two_rank_runs["sharded"], "sharded", 3), out)
     got = resumed_losses(tmp_path, out, **corpus)
     expected = scalars(os.path.join(two_rank_runs["sharded"], "tb"), "train/loss")
     assert sorted(got) == [4, 5, 6] and all(got[s] == expected[s] for s in got)
@@ -228,9 +230,8 @@ def test_sigterm_during_start_up_stops_after_the_first_step(corpus, tmp_path):
 def test_an_unexpected_error_on_one_rank_stops_every_rank_at_once(corpus, tmp_path):
     """Rank 1 fails alone while rank 0 waits in a collective: both exit non-zero within seconds,
     not after the 30-minute collective timeout."""
-    probe = os.path.join(ROOT, "tests", "crash_probe.py")
-    launcher = trainer_cmd(2)[:-1] + [probe]
-    result = run_trainer(str(tmp_path), nproc=2, launcher=launcher, check=False, timeout=120, **corpus)
+    result = run_trainer(str(tmp_path), nproc=2, script=os.path.join(ROOT, "tests", "crash_probe.py"), check=False,
+                         timeout=120, **corpus)
     assert result.returncode != 0
     assert "KeyError: \"injected: a rank's own failure\"" in result.stderr
     assert "Connection closed by peer" in result.stderr  # rank 0 left its collective
@@ -240,45 +241,41 @@ def test_an_unexpected_error_on_one_rank_stops_every_rank_at_once(corpus, tmp_pa
 def opened_rank_files(run_dir, nproc, **settings) -> list[list[int]]:
     """Resume under tests/open_probe.py in a new run_dir: the saved ranks whose files each rank opened."""
     run_dir.mkdir()
-    probe = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-             os.path.join(ROOT, "tests", "open_probe.py")]
-    result = run_trainer(str(run_dir), launcher=probe, **settings)
+    result = run_trainer(str(run_dir), nproc=nproc, script=os.path.join(ROOT, "tests", "open_probe.py"), **settings)
     assert "resumed from" in result.stdout
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def test_each_rank_opens_only_the_rank_files_it_needs(corpus, tmp_path):
-    """8 ranks save a sharded set; resumed on 8 ranks each opens its own file, on 4 the two
-    that hold its rows (every tensor's rows divide evenly here)."""
-    settings = dict(train_batch=16, max_iters=2, save_interval=2, checkpoint_type="sharded") | corpus
-    run_trainer(str(tmp_path), nproc=8, **settings)
-    resume = settings | dict(max_iters=3, resume_from=str(tmp_path / "ckpt" / "fsdp_sharded_cpt2_rank0.pth"),
-                             save_interval=1000)
-    assert opened_rank_files(tmp_path / "on8", 8, **resume) == [[r] for r in range(8)]
-    assert opened_rank_files(tmp_path / "on4", 4, **resume) == [[2 * r, 2 * r + 1] for r in range(4)]
+def test_each_rank_opens_only_the_rank_files_it_needs(run_of, corpus, tmp_path):
+    """4 ranks save a sharded set; resumed on 4 ranks each opens its own file, on 2 the two that
+    hold its rows (every tensor's rows divide evenly here)."""
+    directory = os.path.join(run_of("FULL_SHARD"), "ckpt")
+    resume = RUN | corpus | dict(checkpoint_type="sharded", max_iters=4, save_interval=1000,
+                                 resume_from=ckpt_format.shard_path(directory, 3, 0))
+    assert opened_rank_files(tmp_path / "on4", 4, **resume) == [[r] for r in range(4)]
+    assert opened_rank_files(tmp_path / "on2", 2, **resume) == [[2 * r, 2 * r + 1] for r in range(2)]
 
 
 @pytest.mark.parametrize("strategy", ["HYBRID_SHARD", "NO_SHARD", "DDP"])
-def test_replicas_write_their_rows_once(strategy, corpus, tmp_path):
+def test_replicas_write_their_rows_once(strategy, run_of, corpus, tmp_path):
     """Replicated slices are written and read by one replica: the set holds each row once, the
     other replicas receive their slices on resume; the losses continue as the uninterrupted run."""
-    mode = dict(fsdp=False) if strategy == "DDP" else dict(sharding_strategy=strategy, fsdp_size=2)
-    settings = RUN | dict(checkpoint_type="sharded") | mode | corpus
-    (tmp_path / "whole").mkdir()
-    run_trainer(str(tmp_path / "whole"), nproc=4, **settings)
-    directory = tmp_path / "whole" / "ckpt"
-    files = [torch.load(ckpt_format.shard_path(str(directory), 3, r), weights_only=True) for r in range(4)]
+    nproc, settings = CANONICAL[strategy]
+    settings = RUN | settings | corpus
+    whole = run_of(strategy)
+    directory = os.path.join(whole, "ckpt")
+    files = [torch.load(ckpt_format.shard_path(directory, 3, r), weights_only=True) for r in range(4)]
     for name, piece in files[0]["model"].items():
         assert sum(f["model"][name]["data"].shape[0] for f in files) == piece["shape"][0], name
     # the index bench/scale_plan.py plans for this layout is the one written
     plan = Plan(TrainConfig(**files[0]["config"]), gpus=4, shard=2 if strategy == "HYBRID_SHARD" else 1)
-    index, planned = ckpt_format.read_marker(str(directory), 3)["index"], plan.index()
+    index, planned = ckpt_format.read_marker(directory, 3)["index"], plan.index()
     assert sorted(index) == sorted(planned) and all(torch.equal(index[k][1], planned[k][1]) for k in index)
-    opened = opened_rank_files(tmp_path / "resumed", 4, **settings,
-                               resume_from=ckpt_format.shard_path(str(directory), 3, 0))
+    opened = opened_rank_files(tmp_path / "resumed", nproc, **settings,
+                               resume_from=ckpt_format.shard_path(directory, 3, 0))
     # the first replica of each slice reads it and sends it to the other replicas
     assert opened == ([[0], [1], [], []] if strategy == "HYBRID_SHARD" else [[0], [], [], []]), opened
-    expected = scalars(str(tmp_path / "whole" / "tb"), "train/loss")
+    expected = scalars(os.path.join(whole, "tb"), "train/loss")
     got = scalars(str(tmp_path / "resumed" / "tb"), "train/loss")
     assert sorted(got) == [4, 5, 6] and all(got[s] == expected[s] for s in got), (got, expected)
 

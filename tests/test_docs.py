@@ -2,21 +2,27 @@
 at tiny size, in a folder of its own that holds the repository's files.
 
 A block runs under bash, top to bottom, stopping at the first failure. `python SCRIPT` and
-`torchrun` are shell functions there that append tiny overrides for the script they run (the
-trainer: a 1-layer model, a few steps, compile off, the test corpus unless the block prepares
-its own data; data.py: one worker and cl100k_base, offline where gpt2's file would need a
-download; sample.py: a few tokens) and cap --nproc_per_node at 2. Blocks tagged ```text are
-shown, not run (multi-node pairs, SLURM, outputs).
+`torchrun` are shell functions there that run the script through the tests' zygote (as torchrun
+would start its ranks, without importing torch again for each), append tiny overrides for the
+script they run (the trainer: a 1-layer model, a few steps, compile off, for each key the command
+doesn't set itself; data.py: one worker and cl100k_base, offline where gpt2's file would need a
+download; sample.py: a few tokens) and cap --nproc_per_node at 2. The folder's data/stdlib_bytes (the demo's data) is
+the test corpus, prepared. Blocks tagged ```text are shown, not run (multi-node pairs, SLURM,
+outputs, benchmarks that take minutes); every trainer command in them is still parsed against
+the config (test_text_blocks_name_real_keys).
 """
 import glob
 import os
 import re
+import shlex
 import subprocess
 import sys
 
 import pytest
+import yaml
 
-from conftest import ROOT, TINY, free_port, overrides
+from conftest import ROOT, TINY, ZYGOTE, overrides, zygote_socket
+from data import prepare_data
 
 pytestmark = pytest.mark.slow
 SH_BLOCK = re.compile(r"^```sh\n(.*?)^```$", re.S | re.M)
@@ -24,23 +30,24 @@ DOCS = [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(ROOT, "
 
 PRELUDE = r"""
 set -euo pipefail
-tiny() {  # the overrides appended to a command that runs script $1
-    case "$1" in
-        train_fsdp.py|bench/compare_runs.py) echo "$TINY_TRAIN" ;;
+tiny() {  # $1: the script, then its arguments: the overrides appended to the command
+    local script=$1 o
+    shift
+    case "$script" in
         data.py) echo "--workers 1 --tokenizer cl100k_base" ;;
         sample.py) echo "--max_new_tokens 8" ;;
+        train_fsdp.py|bench/compare_runs.py)
+            for o in $TINY_TRAIN; do [[ " $* " == *" ${o%%=*}="* ]] || echo -n "$o "; done ;;
     esac
 }
-python() { "$PYTHON" "$@" $(tiny "$1"); }
-torchrun() {
-    local args=() a
-    for a in "$@"; do
-        case "$a" in
-            --nproc_per_node=*) args+=("--nproc_per_node=$(( ${a#*=} < 2 ? ${a#*=} : 2 ))") ;;
-            *) args+=("$a") ;;
-        esac
+python() { "$PYTHON" "$ZYGOTE" --run "$ZYGOTE_SOCKET" 1 "$@" $(tiny "$@"); }
+torchrun() {  # its own options (--standalone, --nproc_per_node, ...), then the script and its arguments
+    local nproc=1
+    while [[ $1 == --* ]]; do
+        [[ $1 == --nproc_per_node=* ]] && nproc=$(( ${1#*=} < 2 ? ${1#*=} : 2 ))
+        shift
     done
-    "$PYTHON" -m torch.distributed.run "${args[@]}" $TINY_TRAIN
+    "$PYTHON" "$ZYGOTE" --run "$ZYGOTE_SOCKET" "$nproc" "$@" $(tiny "$@")
 }
 """
 
@@ -55,8 +62,9 @@ def blocks() -> list[tuple[str, int, str]]:
     return found
 
 
-def sandbox(tmp_path) -> str:
-    """A folder that looks like a fresh clone: the repository's files (links), nothing run yet."""
+def sandbox(tmp_path, corpus) -> str:
+    """A folder that looks like a fresh clone: the repository's files (links), the demo's data
+    (the test corpus), nothing run yet."""
     for name in os.listdir(ROOT):
         if name.startswith(".") or name in ("data", "checkpoints", "tensorboard", "bench", "tests"):
             continue
@@ -64,22 +72,59 @@ def sandbox(tmp_path) -> str:
     (tmp_path / "bench").mkdir()  # real folder: bench tools write bench/runs/ beside themselves
     for name in glob.glob(os.path.join(ROOT, "bench", "*.*")):
         os.symlink(name, tmp_path / "bench" / os.path.basename(name))
-    corpus = tmp_path / "corpus"  # what the docs' `corpus/` stands for: a few text documents
-    corpus.mkdir()
+    (tmp_path / "data").mkdir()
+    prepare_data(corpus["data_path"], yaml.safe_load(corpus["data_source"]), "bytes")
+    os.symlink(corpus["data_path"], tmp_path / "data" / "stdlib_bytes")
+    documents = tmp_path / "corpus"  # what the docs' `corpus/` stands for: a few text documents
+    documents.mkdir()
     for name in ("json/decoder.py", "json/encoder.py", "email/utils.py", "email/message.py"):
         src = os.path.join(os.path.dirname(os.__file__), name)
-        (corpus / name.replace("/", "_").replace(".py", ".txt")).write_text(open(src).read())
+        (documents / name.replace("/", "_").replace(".py", ".txt")).write_text(open(src).read())
     return str(tmp_path)
 
 
 @pytest.mark.parametrize("doc, number, commands", blocks(), ids=lambda v: str(v).split("\n")[0][:40])
 def test_sh_block_runs(doc, number, commands, corpus, tmp_path):
-    tiny = TINY | dict(n_layer=1, max_iters=4, save_interval=2, eval_interval=2, compile=False, world_size=None,
-                       lr_decay_iters=4)
-    if "data.py prepare" not in commands:  # a block that prepares its data trains on it
-        tiny |= corpus
+    tiny = {k: v for k, v in TINY.items() if k != "tokenizer"} | dict(
+        n_layer=1, max_iters=4, save_interval=2, eval_interval=2, compile=False, world_size=None, lr_decay_iters=4)
     env = dict(os.environ, PYTHON=sys.executable, TINY_TRAIN=" ".join(overrides(**tiny)), OMP_NUM_THREADS="1",
-               PET_MASTER_PORT=str(free_port()))
-    result = subprocess.run(["bash", "-c", PRELUDE + commands], cwd=sandbox(tmp_path), env=env, capture_output=True,
-                            text=True, timeout=600)
+               ZYGOTE=ZYGOTE, ZYGOTE_SOCKET=zygote_socket())
+    result = subprocess.run(["bash", "-c", PRELUDE + commands], cwd=sandbox(tmp_path, corpus), env=env,
+                            capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, f"{doc}, sh block {number}:\n{commands}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+
+
+FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", re.S | re.M)
+
+
+def commands_in_docs():
+    """(doc, command words) of every command line in every fenced block, continuations joined."""
+    for path in DOCS:
+        with open(path) as f:
+            text = f.read()
+        for _, body in FENCE.findall(text):
+            for line in body.replace("\\\n", " ").splitlines():
+                line = line.split(" #")[0].strip()
+                if "||" in line:  # a command shown failing on purpose
+                    continue
+                if line.startswith(("python ", "torchrun ", "bash ", "sbatch ", "MALLOC_MMAP_THRESHOLD_=")):
+                    yield os.path.relpath(path, ROOT), shlex.split(line)
+
+
+def test_text_blocks_name_real_keys_and_files():
+    """Commands shown but not run still name files that exist and config keys that parse."""
+    from config import parse_args
+    checked = 0
+    for doc, words in commands_in_docs():
+        scripts = [w for w in words if w.endswith((".py", ".sh")) and not w.startswith("-")]
+        for script in scripts:
+            assert os.path.isfile(os.path.join(ROOT, script)), f"{doc}: {' '.join(words)}: no {script}"
+        if "train_fsdp.py" in words:
+            rest = words[words.index("train_fsdp.py") + 1:]
+            if rest and rest[0] in ("CONFIG", "--help"):
+                rest = [os.path.join(ROOT, "config", "demo_cpu.yaml")] + rest[1:] if rest[0] == "CONFIG" else []
+            if rest:
+                rest[0] = os.path.join(ROOT, rest[0]) if not os.path.isabs(rest[0]) else rest[0]
+                parse_args(rest)  # a renamed key or a bad value raises UserError, naming it
+                checked += 1
+    assert checked > 10

@@ -1,7 +1,6 @@
 """fp16 with gradient scaling under FSDP2: an overflow on one rank skips the step on every rank."""
 import json
 import os
-import sys
 
 import pytest
 
@@ -11,9 +10,8 @@ pytestmark = pytest.mark.slow
 
 
 def test_overflow_on_one_rank_skips_the_step_everywhere(corpus, tmp_path):
-    probe = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-             os.path.join(ROOT, "tests", "fp16_probe.py")]
-    result = run_trainer(str(tmp_path), launcher=probe, vocab_size=256, **corpus)
+    result = run_trainer(str(tmp_path), nproc=2, script=os.path.join(ROOT, "tests", "fp16_probe.py"), vocab_size=256,
+                         **corpus)
     reports = sorted((json.loads(line) for line in result.stdout.splitlines() if line.startswith('{"rank"')),
                      key=lambda r: r["rank"])
     assert [r["rank"] for r in reports] == [0, 1]

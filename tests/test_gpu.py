@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, TINY, run_trainer, scalars
+from conftest import ROOT, TINY, evaluated, run_trainer, scalars
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
@@ -23,20 +23,13 @@ def losses(run_dir, tag="train/loss") -> dict:
     return scalars(os.path.join(run_dir, "tb"), tag)
 
 
-def evaluated(checkpoint, env) -> float:
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "evaluate.py"), str(checkpoint)],
-                            capture_output=True, text=True, timeout=300, env=dict(os.environ) | env)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return float(result.stdout.split("val loss ")[1].split()[0])
-
-
 def test_bf16_autocast_trains_and_evaluate_reports_the_logged_val_loss(gpu_env, corpus, tmp_path):
     env = gpu_env(1)
     result = run_trainer(str(tmp_path), env=env, dtype="auto", max_iters=8, save_interval=8, **corpus)
     assert "model not wrapped" in result.stdout and "compute dtype torch.bfloat16" in result.stdout
     val = losses(str(tmp_path), "val/loss")
     assert val[8] < val[0] - 0.2
-    assert evaluated(tmp_path / "ckpt" / "fsdp_cpt8.pth", env) == pytest.approx(val[8], rel=1e-5)
+    assert evaluated(tmp_path / "ckpt" / "fsdp_cpt8.pth", env=env) == pytest.approx(val[8], rel=1e-5)
 
 
 def test_fsdp_mixed_precision_with_pinned_offload_resumes(gpu_env, corpus, tmp_path):

@@ -1,13 +1,11 @@
 """Same seed, same weights for any world size; only rank 0 ever builds the model whole."""
 import json
-import subprocess
 import os
-import sys
 
 import pytest
 import torch
 
-from conftest import DEMO, ROOT, TINY, overrides, trainer_cmd
+from conftest import DEMO, ROOT, TINY, overrides, run_in_zygote
 
 pytestmark = pytest.mark.slow
 
@@ -15,10 +13,10 @@ pytestmark = pytest.mark.slow
 def test_initial_weights_identical_and_only_rank0_materialises(tmp_path):
     settings = {k: TINY[k] for k in ("n_layer", "n_head", "n_embd", "block_size", "seed")}
     probe = os.path.join(ROOT, "tests", "init_probe.py")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     for world in (1, 2, 4):
-        launcher = trainer_cmd(world)[:-1] if world > 1 else [sys.executable]
-        cmd = launcher + [probe, str(tmp_path), DEMO] + overrides(vocab_size=256, **settings)
-        result = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+        argv = [probe, str(tmp_path), DEMO] + overrides(vocab_size=256, **settings)
+        result = run_in_zygote(argv, str(tmp_path), env, world, timeout=180)
         assert result.returncode == 0, result.stderr[-3000:]
     reference = torch.load(tmp_path / "weights_world1.pt", weights_only=True)
     for world in (2, 4):

@@ -3,13 +3,11 @@ both ways, parity with one process, resumes, resharding, activation checkpointin
 export to Qwen3 with transformers' val loss equal to evaluate.py's, and init_from."""
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import ROOT, TINY, checkpoint_of, launcher_once, run_trainer, scalars
+from conftest import TINY, checkpoint_of, evaluated, launcher_once, run_trainer, scalars, tool
 from hf_format import hf_config, read_hf_folder, to_hf
 from model import GPT, GPTConfig
 
@@ -54,7 +52,7 @@ def test_transformers_computes_the_same_logits_and_the_folder_reads_back(options
 @pytest.fixture(scope="module")
 def runs(corpus, tmp_path_factory):
     """name -> folder of a llama run of STEPS steps, each launched once per module."""
-    return launcher_once(tmp_path_factory, max_iters=STEPS, **(LLAMA | corpus))
+    return launcher_once(tmp_path_factory, "llama", max_iters=STEPS, **(LLAMA | corpus))
 
 
 LAYOUTS = {  # name: (ranks, settings); each saves at step 4 and 8
@@ -105,13 +103,6 @@ def test_resharded_with_activation_checkpointing_and_compile(runs, corpus, tmp_p
         assert got[step] == pytest.approx(expected[step], rel=1e-4), step
 
 
-def tool(script: str, *args) -> str:
-    result = subprocess.run([sys.executable, os.path.join(ROOT, script), *map(str, args)],
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result.stdout
-
-
 @pytest.mark.slow
 def test_export_evaluate_sample_and_init_from(runs, corpus, tmp_path):
     """The 4-rank run's step-8 checkpoint: exported as Qwen3ForCausalLM, transformers' loss on the
@@ -127,21 +118,21 @@ def test_export_evaluate_sample_and_init_from(runs, corpus, tmp_path):
     checkpoint = checkpoint_of(runs("HYBRID_SHARD", nproc, **settings), "full", STEPS)
     out = tmp_path / "hf"
     assert "Qwen3ForCausalLM" in tool("export_hf.py", checkpoint, out)
-    evaluated = float(tool("evaluate.py", checkpoint).split("val loss ")[1].split()[0])
+    logged = evaluated(checkpoint)
     hf = AutoModelForCausalLM.from_pretrained(out).eval()
     assert type(hf).__name__ == "Qwen3ForCausalLM"
     meta = prepare_data(corpus["data_path"], None, "bytes")
     loader = BatchLoader(corpus["data_path"], meta, TINY["block_size"], TINY["micro_batch"], TINY["micro_batch"],
                          0, 1, TINY["seed"], torch.device("cpu"))
     total, windows = val_loss_sums(lambda x: (hf(x).logits, None), loader, TINY["eval_iters"] * TINY["train_batch"]).tolist()
-    assert total / windows == pytest.approx(evaluated, rel=1e-5)
+    assert total / windows == pytest.approx(logged, rel=1e-5)
     text = tool("sample.py", checkpoint, "--max_new_tokens", "16", "--seed", "1")
     assert text == tool("sample.py", checkpoint, "--max_new_tokens", "16", "--seed", "1") and text.strip()
     started = tmp_path / "started"
     started.mkdir()
     run_trainer(str(started), max_iters=0, init_from=str(out), **(LLAMA | corpus))
-    assert losses(str(started), "val/loss")[0] == pytest.approx(evaluated, rel=1e-5)
-    assert math.isfinite(evaluated)
+    assert losses(str(started), "val/loss")[0] == pytest.approx(logged, rel=1e-5)
+    assert math.isfinite(logged)
 
 
 def test_init_from_refuses_a_folder_of_another_shape(corpus, tmp_path):
@@ -168,3 +159,66 @@ def test_checkpoints_written_before_arch_existed_still_load():
     validate(llama)
     with pytest.raises(UserError, match="checkpoint old.pth has arch=gpt2 but the config has arch=llama"):
         check_model_shape("checkpoint old.pth", old, llama)
+
+
+def damage_header(path, edit) -> None:
+    """Rewrite a safetensors file's JSON header through edit(header) (the data stays as it was)."""
+    import json
+    raw = path.read_bytes()
+    size = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + size])
+    edit(header)
+    text = json.dumps(header).encode()
+    path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + size:])
+
+
+DAMAGES = {  # name: (damage(folder), what the line says)
+    "truncated file": (lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:-100]),
+                       "past the data's end"),
+    "header length past the end": (lambda d: (d / "model.safetensors").write_bytes(
+        (10 ** 9).to_bytes(8, "little") + (d / "model.safetensors").read_bytes()[8:]), "the header claims 1,000,000,000 bytes"),
+    "offsets past the end": (lambda d: damage_header(d / "model.safetensors", lambda h: h["model.norm.weight"].update(
+        data_offsets=[10 ** 8, 10 ** 8 + 256])), "tensor model.norm.weight lies at data bytes 100,000,000"),
+    "missing tensor": (lambda d: damage_header(d / "model.safetensors", lambda h: h.pop("model.layers.1.mlp.up_proj.weight")),
+                       "has no tensor 'model.layers.1.mlp.up_proj.weight'"),
+    "unknown dtype": (lambda d: damage_header(d / "model.safetensors", lambda h: h["model.norm.weight"].update(dtype="F8_E4M3")),
+                      "tensor model.norm.weight is F8_E4M3; F32, F16 and BF16 are read"),
+    "config.json not JSON": (lambda d: (d / "config.json").write_text("{'vocab_size': 256,"), "config.json is not JSON"),
+}
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("hf")
+    cfg = GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=64, arch="llama", n_kv_head=2)
+    hf_model(cfg, GPT(cfg).state_dict()).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_a_malformed_folder_is_named_in_one_line(damage, hf_folder, tmp_path):
+    from config import UserError
+    import shutil
+    folder = tmp_path / "hf"
+    shutil.copytree(hf_folder, folder)
+    read_hf_folder(str(folder))  # whole: reads
+    make, phrase = DAMAGES[damage]
+    make(folder)
+    with pytest.raises(UserError) as error:
+        read_hf_folder(str(folder))
+    assert phrase in str(error.value) and str(folder) in str(error.value), str(error.value)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.slow
+def test_the_trainer_stops_on_a_malformed_folder_with_exit_2(hf_folder, corpus, tmp_path):
+    import shutil
+    folder = tmp_path / "hf"
+    shutil.copytree(hf_folder, folder)
+    DAMAGES["truncated file"][0](folder)
+    result = run_trainer(str(tmp_path), check=False, max_iters=0, init_from=str(folder),
+                         **(corpus | dict(arch="llama", n_head=4, n_kv_head=2, vocab_size=256)))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: init_from: {folder / 'model.safetensors'}: tensor ")
+    assert "past the data's end" in errors[0]

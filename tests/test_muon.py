@@ -58,7 +58,7 @@ def test_orthogonalise_brings_singular_values_near_one(shape):
 @pytest.fixture(scope="module")
 def runs(corpus, tmp_path_factory):
     """name -> folder of a Muon run of 6 steps, each launched once per module."""
-    return launcher_once(tmp_path_factory, **(MUON | corpus))
+    return launcher_once(tmp_path_factory, "muon", **(MUON | corpus))
 
 
 def logged(run_dir: str) -> dict:

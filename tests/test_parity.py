@@ -1,39 +1,32 @@
-"""Distributed correctness by parity: 4 ranks under each strategy train the same run as one process."""
+"""Distributed correctness by parity: 2 and 4 ranks under each strategy, two launches as two nodes
+and the SLURM script train the same run as one process."""
+import json
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from conftest import DEMO, ROOT, TINY, free_port, overrides, run_trainer, scalars
+from conftest import DEMO, ROOT, RUN, TINY, evaluated, free_port, overrides, scalars, shared
 
 pytestmark = pytest.mark.slow
-STEPS = 8
+STEPS = RUN["max_iters"]
+TAGS = ("train/loss", "train/grad_norm", "val/loss")
+
+
+def printed(run_dir: str) -> str:
+    with open(os.path.join(run_dir, "stdout.txt")) as f:
+        return f.read()
 
 
 @pytest.fixture(scope="module")
-def single_process(corpus, tmp_path_factory):
-    run_dir = str(tmp_path_factory.mktemp("ref"))
-    result = run_trainer(run_dir, nproc=1, max_iters=STEPS, **corpus)
-    assert "gradient accumulation 4" in result.stdout  # one process needs 4 micro-steps
+def single_process(run_of):
+    run_dir = run_of("one")
+    assert "gradient accumulation 12" in printed(run_dir)  # one process takes 12 micro-steps of 2
     # grad_norm catches a wrong reduction, or a missing division by the accumulation steps
-    return {tag: scalars(os.path.join(run_dir, "tb"), tag) for tag in ("train/loss", "train/grad_norm", "val/loss")}
-
-
-@pytest.fixture(scope="module")
-def four_ranks(corpus, tmp_path_factory):
-    """strategy -> the folder of its 4-rank run (each run once per module)."""
-    runs = {}
-
-    def run(strategy: str) -> str:
-        if strategy not in runs:
-            run_dir = str(tmp_path_factory.mktemp(strategy))
-            mode = dict(fsdp=False) if strategy == "DDP" else dict(sharding_strategy=strategy)
-            result = run_trainer(run_dir, nproc=4, max_iters=STEPS, **mode, **corpus)
-            assert "gradient accumulation 1" in result.stdout  # four ranks need none
-            runs[strategy] = run_dir
-        return runs[strategy]
-    return run
+    return {tag: scalars(os.path.join(run_dir, "tb"), tag) for tag in TAGS}
 
 
 def assert_parity(single_process, run_dir):
@@ -44,30 +37,28 @@ def assert_parity(single_process, run_dir):
             assert losses[step] == pytest.approx(value, rel=1e-4), (tag, step)
 
 
-# HYBRID_SHARD's (2, 2) mesh on 4 ranks: test_two_nodes_match_one_process
-@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "DDP"])
-def test_four_ranks_match_one_process(strategy, single_process, four_ranks):
-    assert_parity(single_process, four_ranks(strategy))
+# HYBRID_SHARD's (2, 2) mesh on 4 ranks runs here and as two nodes (test_two_nodes_match_one_process)
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "DDP"])
+def test_four_ranks_match_one_process(strategy, single_process, run_of):
+    run_dir = run_of(strategy)
+    assert "gradient accumulation 3" in printed(run_dir)  # 4 ranks take 3 micro-steps each
+    assert_parity(single_process, run_dir)
     assert len(single_process["train/loss"]) == STEPS
     # training moved the weights: the parity is not that of a model standing still
     assert single_process["train/loss"][STEPS] < single_process["train/loss"][1]
 
 
-def test_two_ranks_match_one_process(single_process, corpus, tmp_path):
-    """The parity a 2-GPU machine can run (bench/gpu_check.sh: NCCL there, gloo here)."""
-    result = run_trainer(str(tmp_path), nproc=2, max_iters=STEPS, **corpus)
-    assert "gradient accumulation 2" in result.stdout
-    assert_parity(single_process, str(tmp_path))
+def test_two_ranks_match_one_process(single_process, run_of):
+    """The parity a 2-GPU machine runs on NCCL (tests/test_gpu.py); gloo here."""
+    run_dir = run_of("full2")
+    assert "gradient accumulation 6" in printed(run_dir)
+    assert_parity(single_process, run_dir)
 
 
-def test_standalone_evaluation_matches_the_four_rank_log(four_ranks):
-    run_dir = four_ranks("FULL_SHARD")
+def test_standalone_evaluation_matches_the_four_rank_log(run_of):
+    run_dir = run_of("FULL_SHARD")
     logged = scalars(os.path.join(run_dir, "tb"), "val/loss")[STEPS]
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "evaluate.py"),
-                             os.path.join(run_dir, "ckpt", f"fsdp_cpt{STEPS}.pth")],
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    standalone = float(result.stdout.split("val loss ")[1].split()[0])
+    standalone = evaluated(os.path.join(run_dir, "ckpt", f"fsdp_sharded_cpt{STEPS}_rank0.pth"))
     assert standalone == pytest.approx(logged, rel=1e-5)
 
 
@@ -85,38 +76,64 @@ def launch_two_nodes(tmp_path, settings: dict) -> list[tuple[int, str, str]]:
     return [(node.returncode, *output) for node, output in zip(nodes, [n.communicate(timeout=300) for n in nodes])]
 
 
-@pytest.mark.parametrize("strategy", ["HYBRID_SHARD", "HYBRID_SHARD_ZERO2", "FULL_SHARD"])
-def test_two_nodes_match_one_process(strategy, single_process, corpus, tmp_path):
-    settings = TINY | corpus | dict(max_iters=STEPS, sharding_strategy=strategy, checkpoint_dir="ckpt",
-                                    tensorboard_dir="tb")
-    outputs = launch_two_nodes(tmp_path, settings)
+# HYBRID_SHARD writes sharded checkpoints (each node its ranks' files, on its "local disk"): the
+# node-local test below resumes from them; the others write rank 0's full file
+TWO_NODES = {"HYBRID_SHARD": "sharded", "HYBRID_SHARD_ZERO2": "full", "FULL_SHARD": "full"}
+
+
+@pytest.fixture(scope="module")
+def two_nodes(corpus, tmp_path_factory):
+    """two_nodes(strategy) -> (folder holding node0/ and node1/, their [code, stdout, stderr]), launched
+    once per session."""
+    def run(strategy: str):
+        def launch(folder):
+            settings = TINY | RUN | corpus | dict(sharding_strategy=strategy, checkpoint_type=TWO_NODES[strategy],
+                                                  checkpoint_dir="ckpt", tensorboard_dir="tb")
+            outputs = launch_two_nodes(Path(folder), settings)
+            (Path(folder) / "outputs.json").write_text(json.dumps(outputs))
+        folder = Path(shared(tmp_path_factory, f"two_nodes/{strategy}", launch))
+        return folder, json.loads((folder / "outputs.json").read_text())
+    return run
+
+
+@pytest.mark.parametrize("strategy", list(TWO_NODES))
+def test_two_nodes_match_one_process(strategy, single_process, two_nodes):
+    folder, outputs = two_nodes(strategy)
     for code, _, stderr in outputs:
         assert code == 0, stderr[-3000:]
     if strategy.startswith("HYBRID"):  # sharded inside a node, replicated across the two
         assert "mesh (replicate=2, shard=2)" in outputs[0][1]
-    assert_parity(single_process, str(tmp_path / "node0"))
-    # global rank 0 alone prints, logs and writes the full checkpoint
-    assert os.listdir(tmp_path / "node1") == []
+    assert_parity(single_process, str(folder / "node0"))
+    # global rank 0 alone prints and logs; it alone writes a full checkpoint, each rank its own shards
     assert "step " not in outputs[1][1]
-    assert len(os.listdir(tmp_path / "node0" / "tb")) == 1
-    assert os.listdir(tmp_path / "node0" / "ckpt") == [f"fsdp_cpt{STEPS}.pth"]
+    assert len(os.listdir(folder / "node0" / "tb")) == 1
+    if TWO_NODES[strategy] == "full":
+        assert os.listdir(folder / "node1") == []
+        assert sorted(os.listdir(folder / "node0" / "ckpt")) == ["fsdp_cpt3.pth", f"fsdp_cpt{STEPS}.pth"]
+    else:  # each node's own folder: the markers where rank 0 is
+        assert os.listdir(folder / "node1") == ["ckpt"]
+        assert sorted(os.listdir(folder / "node0" / "ckpt")) == [
+            f"fsdp_sharded_cpt{s}{end}" for s in (3, STEPS) for end in (".complete", "_rank0.pth", "_rank1.pth")]
+        assert sorted(os.listdir(folder / "node1" / "ckpt")) == [
+            f"fsdp_sharded_cpt{s}_rank{r}.pth" for s in (3, STEPS) for r in (2, 3)]
 
 
-def test_sharded_checkpoints_on_node_local_disks(corpus, tmp_path):
-    """Each node writes its ranks' files into its own folder; a resume that can't see the whole set
-    on every rank stops with one line instead of starting from scratch on some ranks."""
-    settings = TINY | corpus | dict(max_iters=2, save_interval=2, checkpoint_type="sharded", checkpoint_dir="ckpt",
-                                    tensorboard_dir="tb")
-    for code, _, stderr in launch_two_nodes(tmp_path, settings):
-        assert code == 0, stderr[-3000:]
-    assert sorted(os.listdir(tmp_path / "node0" / "ckpt")) == [
-        "fsdp_sharded_cpt2.complete", "fsdp_sharded_cpt2_rank0.pth", "fsdp_sharded_cpt2_rank1.pth"]
-    assert sorted(os.listdir(tmp_path / "node1" / "ckpt")) == ["fsdp_sharded_cpt2_rank2.pth", "fsdp_sharded_cpt2_rank3.pth"]
-    outputs = launch_two_nodes(tmp_path, settings | dict(max_iters=4, resume_from="latest"))
-    for code, stdout, stderr in outputs:
+def test_sharded_checkpoints_on_node_local_disks(two_nodes, corpus, tmp_path):
+    """A resume that can't see the whole sharded set on every rank (each node wrote its ranks'
+    files into its own folder) stops with one line instead of starting from scratch on some ranks."""
+    folder, _ = two_nodes("HYBRID_SHARD")
+    for node in ("node0", "node1"):
+        shutil.copytree(folder / node / "ckpt", tmp_path / node / "ckpt")
+    settings = TINY | RUN | corpus | dict(sharding_strategy="HYBRID_SHARD", checkpoint_type="sharded",
+                                          checkpoint_dir="ckpt", tensorboard_dir="tb", max_iters=8, resume_from="latest")
+    outputs = launch_two_nodes(tmp_path, settings)
+    for code, stdout, _ in outputs:
         assert code != 0 and "starting from scratch" not in stdout
-        assert ("ranks [2, 3] can't see ckpt/fsdp_sharded_cpt2.complete, which rank 0 sees: a sharded resume needs "
-                "checkpoint_dir on a filesystem every node shares (or checkpoint_type: full)") in stderr
+    # every rank stops with the same error; rank 0 alone prints it
+    assert [line for line in outputs[0][2].splitlines() if line.startswith("error:")] == [
+        f"error: ranks [2, 3] can't see ckpt/fsdp_sharded_cpt{STEPS}.complete, which rank 0 sees: a sharded resume "
+        f"needs checkpoint_dir on a filesystem every node shares (or checkpoint_type: full)"]
+    assert "error:" not in outputs[1][2]
 
 
 FAKE_SRUN = """#!/bin/bash
@@ -145,8 +162,7 @@ def test_slurm_script_gives_each_node_its_rank(single_process, corpus, tmp_path)
     env = dict(os.environ, PATH=f"{bin_dir}:{os.path.dirname(sys.executable)}:{os.environ['PATH']}", OMP_NUM_THREADS="1",
                SLURM_JOB_NODELIST="node[1-2]", SLURM_NNODES="2", SLURM_NTASKS="2", NPROC_PER_NODE="2",
                MASTER_PORT=str(free_port()))
-    settings = TINY | corpus | dict(max_iters=STEPS, checkpoint_dir=str(tmp_path / "ckpt"),
-                                    tensorboard_dir=str(tmp_path / "tb"))
+    settings = TINY | RUN | corpus | dict(checkpoint_dir=str(tmp_path / "ckpt"), tensorboard_dir=str(tmp_path / "tb"))
     result = subprocess.run(["bash", os.path.join(ROOT, "train_slurm.sh"), DEMO, *overrides(**settings)], cwd=ROOT,
                             env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]

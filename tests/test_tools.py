@@ -1,21 +1,12 @@
 """What users do with a checkpoint: sample from it and export it to Hugging Face."""
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import ROOT, checkpoint_of
+from conftest import ROOT, checkpoint_of, tool
 
 pytestmark = pytest.mark.slow
-
-
-def tool(script, *args):
-    result = subprocess.run([sys.executable, os.path.join(ROOT, script), *map(str, args)],
-                            capture_output=True, text=True, timeout=180)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result.stdout
 
 
 @pytest.mark.parametrize("kind", ["full", "sharded"])
