@@ -67,4 +67,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    if {"-h", "--help"} & set(sys.argv):
+        sys.exit(print(__doc__))
     run_entry_point(lambda: main(sys.argv[1:]))

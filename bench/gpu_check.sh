@@ -48,7 +48,8 @@ TESTS="not run: torch sees no GPU"
 if "$PYTHON" -c "import torch; assert torch.cuda.is_available()" 2>/dev/null; then
     if "$PYTHON" -c "import pytest" 2>/dev/null; then
         echo "== GPU tests"
-        "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider tests/ >"$DIR/gpu_tests.log" 2>&1 || FAILED=1
+        # one process, no pytest-xdist: the GPU tests share one device
+        "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider -o addopts="" tests/ >"$DIR/gpu_tests.log" 2>&1 || FAILED=1
         TESTS=$(tail -1 "$DIR/gpu_tests.log")
     else
         TESTS="not run: pytest is not installed (pip install -r requirements-dev.txt)"

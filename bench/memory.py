@@ -64,4 +64,4 @@ def main(overrides: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(print(__doc__) if {"-h", "--help"} & set(sys.argv) else main(sys.argv[1:]))
