@@ -14,23 +14,31 @@ import yaml
 
 
 class UserError(Exception):
-    """Bad input from the user: reported as one line and a non-zero exit, never a traceback."""
+    """Bad input from the user: reported as one line and exit 2, never a traceback."""
+
+
+class RunStopped(Exception):
+    """A run that can't go on through no fault of its input (too many non-finite steps): one line
+    and exit 1, on every rank."""
 
 
 def exit_code(body: typing.Callable[[], int | None], report: bool = True) -> int:
-    """A command's exit code: what body returns (None: 0), or 2 after one `error:` line (unless
-    report is off) when it raises UserError. One write: several processes may share the stream."""
+    """A command's exit code: what body returns (None: 0), or after one `error:` line (unless
+    report is off) 2 when it raises UserError, 1 for RunStopped. One write: several processes may
+    share the stream."""
     try:
         return body() or 0
-    except UserError as e:
+    except (UserError, RunStopped) as e:
         if report:
             sys.stderr.write(f"error: {e}\n")
-        return 2
+        return 2 if isinstance(e, UserError) else 1
 
 
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
 DTYPES = ("auto", "bf16", "fp16", "fp32")
 OPTIMIZERS = ("adamw", "muon")
+LR_SCHEDULES = ("cosine", "wsd", "constant")
+DECAY_SHAPES = ("linear", "1-sqrt")
 # arch first: a checkpoint of the other layout is reported as that, not as its first consequence (bias)
 MODEL_SHAPE_KEYS = ("arch", "vocab_size", "block_size", "n_layer", "n_head", "n_embd", "bias", "n_kv_head",
                     "rope_theta", "qk_norm", "tie_embeddings", "ffn_hidden", "norm_eps")
@@ -71,6 +79,9 @@ class TrainConfig:
                                                    "globs, a list, or stdlib; null: prepared already")
     tokenizer: str = key("gpt2", "a tiktoken encoding (gpt2, cl100k_base, ...) or bytes; prepared data keeps its "
                                  "own")
+    data_mix: dict | None = key(None, "a mixture {name: prepared folder, ...} instead of data_path and data_source "
+                                      "(docs/data.md)")
+    data_weights: dict | None = key(None, "the mixture's proportions {name: weight, ...}; null: equal")
     train_batch: int = key(480, "sequences per optimizer step, GLOBAL: split over the data-parallel ranks")
     micro_batch: int = key(12, "sequences per rank per forward; accumulation = train_batch / (micro_batch x "
                                "ranks)")
@@ -79,12 +90,18 @@ class TrainConfig:
     learning_rate: float = key(6e-4, "peak learning rate (Muon's updates are scaled to AdamW's RMS: one rate)")
     min_lr: float = key(6e-5, "learning rate at the end of the decay")
     warmup_iters: int = key(2000, "steps of linear warmup from 0 to learning_rate")
-    lr_decay_iters: int = key(600000, "step at which the cosine reaches min_lr")
+    lr_schedule: str = key("cosine", "after warmup: cosine (down to min_lr at lr_decay_iters), wsd (the peak held, "
+                                     "then a decay over the last decay_fraction of max_iters) or constant")
+    lr_decay_iters: int = key(600000, "cosine: the step at which the learning rate reaches min_lr")
+    decay_fraction: float = key(0.2, "wsd: the share of max_iters, at its end, that decays to min_lr")
+    decay_shape: str = key("linear", "wsd: the decay's shape, linear or 1-sqrt")
     max_iters: int = key(600000, "optimizer steps of the run (a resume with more extends it)")
     weight_decay: float = key(0.1, "decoupled weight decay of matmul and embedding weights (none on norms, biases)")
     beta1: float = key(0.9, "AdamW's first-moment decay")
     beta2: float = key(0.95, "AdamW's second-moment decay")
     grad_clip: float = key(1.0, "clip the global gradient norm to this (0: no clipping)")
+    max_skipped_steps: int = key(5, "consecutive steps with a non-finite loss or gradient (skipped: nothing applied) "
+                                    "after which the run stops")
     fsdp: bool = key(True, "FSDP2 (true) or DDP (false); one process runs unwrapped either way")
     sharding_strategy: str = key("FULL_SHARD", "FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD or "
                                                "HYBRID_SHARD_ZERO2")
@@ -284,6 +301,33 @@ def validate(cfg: TrainConfig) -> None:
     require(0.0 <= cfg.muon_momentum < 1.0, f"muon_momentum must be in [0, 1), got {cfg.muon_momentum}")
     require(cfg.min_lr <= cfg.learning_rate,
             f"min_lr={cfg.min_lr} must not exceed learning_rate={cfg.learning_rate}")
+    require(cfg.lr_schedule in LR_SCHEDULES, f"lr_schedule '{cfg.lr_schedule}' is not one of {', '.join(LR_SCHEDULES)}")
+    require(0.0 <= cfg.decay_fraction <= 1.0, f"decay_fraction must be in [0, 1], got {cfg.decay_fraction}")
+    require(cfg.decay_shape in DECAY_SHAPES, f"decay_shape '{cfg.decay_shape}' is not one of {', '.join(DECAY_SHAPES)}")
+    require(cfg.max_skipped_steps >= 1, f"max_skipped_steps must be 1 or more, got {cfg.max_skipped_steps}")
+    validate_mixture(cfg)
+
+
+def validate_mixture(cfg: TrainConfig) -> None:
+    """data_mix names prepared folders; data_weights gives each a weight (null: all equal)."""
+    if cfg.data_mix is None:
+        if cfg.data_weights is not None:
+            raise UserError("data_weights needs data_mix: name the sources, {name: prepared folder, ...}")
+        return
+    if not cfg.data_mix or not all(isinstance(k, str) and isinstance(v, str) for k, v in cfg.data_mix.items()):
+        raise UserError(f"data_mix must map source names to prepared folders, {{web: data/web, ...}}, got {cfg.data_mix!r}")
+    weights = {name: 1.0 for name in cfg.data_mix} if cfg.data_weights is None else cfg.data_weights
+    for name, weight in weights.items():
+        if name not in cfg.data_mix:
+            raise UserError(f"data_weights names '{name}', which data_mix lacks (its sources: {', '.join(cfg.data_mix)})")
+        if not isinstance(weight, (int, float)) or isinstance(weight, bool) or weight < 0:
+            raise UserError(f"data_weights: {name}={weight!r} must be a number, 0 or more")
+    missing = [name for name in cfg.data_mix if name not in weights]
+    if missing:
+        raise UserError(f"data_weights gives no weight for {', '.join(missing)}: weigh every source of data_mix")
+    if not any(weights.values()):
+        raise UserError("data_weights are all zero: give at least one source a positive weight")
+    cfg.data_weights = {name: float(weights[name]) for name in cfg.data_mix}
 
 
 def to_dict(cfg: TrainConfig) -> dict:

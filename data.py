@@ -26,6 +26,7 @@ import os
 import sys
 import sysconfig
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -35,9 +36,21 @@ DOCUMENT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".jsonl", ".jsonl.gz", ".parq
 STDLIB_CORPUS_BYTES = 16 << 20  # enough text for the demo, quick to tokenize
 VAL_EVERY = 20  # every 20th document goes to val.bin
 CHUNK_BYTES = 1 << 20  # text per task sent to a worker
-LLMC_MAGIC, LLMC_HEADER_INTS = 20240520, 256  # llm.c shards: 256 int32 header, then the tokens
-# llm.c header version -> (token dtype, tokenizer, vocabulary, document separator)
-LLMC_VERSIONS = {1: ("uint16", "gpt2", 50257, 50256)}
+LLMC_HEADER_INTS = 256  # llm.c shards: 256 int32 header (magic, version, token count, ...), then the tokens
+
+
+@dataclass(frozen=True)
+class LlmcFormat:
+    magic: int
+    dtype: str  # of the tokens
+    tokenizer: str
+    vocab_size: int
+    separator: int  # the token llm.c writes before each document
+
+
+# by header version: GPT-2 shards, and Llama 3's (whose tokenizer tiktoken can't load: text samples are skipped)
+LLMC_FORMATS = {1: LlmcFormat(20240520, "uint16", "gpt2", 50257, 50256),
+                7: LlmcFormat(20240801, "uint32", "llama3", 128256, 128000)}
 
 
 # ---- tokenizers ----
@@ -306,8 +319,9 @@ def prepare_data(data_path: str, sources, tokenizer: str, **options) -> dict:
             if not _is_prepared(data_path):
                 _prepare(data_path, sources, tokenizer, **options)
     if shards := llmc_shards(data_path, "train"):
-        dtype, name, vocab, eot = LLMC_VERSIONS[llmc_header(shards[0])[0]]
-        return {"tokenizer": name, "vocab_size": vocab, "eot_token": eot, "dtype": dtype, "format": "llm.c"}
+        fmt = LLMC_FORMATS[llmc_header(shards[0])[0]]
+        return {"tokenizer": fmt.tokenizer, "vocab_size": fmt.vocab_size, "eot_token": fmt.separator,
+                "dtype": fmt.dtype, "format": "llm.c"}
     meta_path = os.path.join(data_path, "meta.json")
     if not os.path.isfile(meta_path):  # nanoGPT's format: uint16 ids of the configured tokenizer
         return {"tokenizer": tokenizer, "vocab_size": None, "dtype": "uint16"}
@@ -315,20 +329,43 @@ def prepare_data(data_path: str, sources, tokenizer: str, **options) -> dict:
         return json.load(f)
 
 
+def prepare_sources(data_mix: dict | None, data_path: str, data_source, tokenizer: str) -> dict[str, tuple[str, dict]]:
+    """{name: (folder, metadata)}: a mixture's sources (each prepared already: `data.py prepare`), or
+    data_path (prepared from data_source on first use) as the one source "data". A mixture's
+    sources must hold one tokenizer's tokens."""
+    if data_mix is None:
+        return {"data": (data_path, prepare_data(data_path, data_source, tokenizer))}
+    sources = {name: (path, prepare_data(path, None, tokenizer)) for name, path in data_mix.items()}
+    (first, (_, reference)), *others = sources.items()
+    for name, (_, meta) in others:
+        if (meta["tokenizer"], meta.get("vocab_size")) != (reference["tokenizer"], reference.get("vocab_size")):
+            raise UserError(f"data_mix: {name} holds '{meta['tokenizer']}' tokens (vocabulary {meta.get('vocab_size')}), "
+                            f"{first} '{reference['tokenizer']}' ones ({reference.get('vocab_size')}): prepare every "
+                            f"source with one tokenizer")
+    return sources
+
+
 # ---- llm.c shards, read as they are ----
 def llmc_shards(data_path: str, split: str) -> list[str]:
     return sorted(glob.glob(os.path.join(data_path, f"*_{split}_*.bin")))
 
 
+def llmc_format(version: int) -> LlmcFormat:
+    return LLMC_FORMATS[version]
+
+
 def llmc_header(path: str) -> tuple[int, int]:
     """(version, token count) of an llm.c shard, checked against the file."""
     header = np.fromfile(path, dtype=np.int32, count=LLMC_HEADER_INTS)
-    if len(header) < LLMC_HEADER_INTS or header[0] != LLMC_MAGIC:
-        raise UserError(f"{path} is not an llm.c token shard (its header lacks magic {LLMC_MAGIC})")
+    magics = {fmt.magic: version for version, fmt in LLMC_FORMATS.items()}
+    if len(header) < LLMC_HEADER_INTS or int(header[0]) not in magics:
+        raise UserError(f"{path} is not an llm.c token shard (its header has none of the magics "
+                        f"{', '.join(map(str, magics))})")
     version, count = int(header[1]), int(header[2])
-    if version not in LLMC_VERSIONS:
-        raise UserError(f"{path}: llm.c shard version {version} is not supported (only {sorted(LLMC_VERSIONS)})")
-    expected = 4 * LLMC_HEADER_INTS + count * np.dtype(LLMC_VERSIONS[version][0]).itemsize
+    if version != magics[int(header[0])]:
+        raise UserError(f"{path}: llm.c shard version {version} with magic {int(header[0])} is not supported "
+                        f"(only {', '.join(f'{f.magic} v{v}' for v, f in LLMC_FORMATS.items())})")
+    expected = 4 * LLMC_HEADER_INTS + count * np.dtype(LLMC_FORMATS[version].dtype).itemsize
     if os.path.getsize(path) != expected:
         raise UserError(f"{path} holds {os.path.getsize(path):,} bytes, but its header says {count:,} tokens "
                         f"({expected:,} bytes): a truncated download? fetch it again")

@@ -5,7 +5,8 @@ python evaluate.py CHECKPOINT [--data_path PATH] [--eval_iters N] [--micro_batch
 val/loss is the mean next-token loss over the first eval_iters * train_batch windows of
 block_size tokens of val.bin (fewer if val.bin is shorter): the same tokens at any world
 size, computed in the run's compute dtype, so a checkpoint evaluated here matches what its
-run logged at that step.
+run logged at that step. A mixture's run: each source's val loss on its share of the windows,
+and their mean weighted by data_weights (val/loss/{name} and val/loss in TensorBoard).
 """
 import argparse
 import math
@@ -15,21 +16,30 @@ import torch
 import torch.nn.functional as F
 
 from config import UserError, exit_code
-from data import prepare_data
+from data import prepare_sources
 from loader import BatchLoader
+from mixture import Segment
 from ckpt_format import load_gpt
 from precision import DTYPES, autocast, compute_dtype, pick_device
 
 
 @torch.no_grad()
 def val_loss_sums(model, loader: BatchLoader, n_windows: int) -> torch.Tensor:
-    """(sum of per-window mean losses, number of windows) over this rank's share, float64."""
-    total = torch.zeros(2, dtype=torch.float64, device=loader.device)
-    for x, y, weight in loader.val_batches(n_windows):
+    """(sources, 2), float64: each source's (sum of per-window mean losses, number of windows) over
+    this rank's share."""
+    total = torch.zeros(len(loader.names), 2, dtype=torch.float64, device=loader.device)
+    for k, x, y, weight in loader.val_batches(n_windows):
         logits, _ = model(x)
         per_window = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none").view_as(y).mean(1)
-        total += torch.stack([(per_window * weight).sum(), weight.sum()]).double()
+        total[k] += torch.stack([(per_window * weight).sum(), weight.sum()]).double()
     return total
+
+
+def val_losses(total: torch.Tensor, loader: BatchLoader) -> tuple[float, dict[str, float]]:
+    """The val loss and each source's, from every rank's sums: a mixture's val loss is its sources'
+    mean weighted by data_weights (sources of weight 0 are not read)."""
+    read = [(name, w, s / n) for name, w, (s, n) in zip(loader.names, loader.val_weights, total.tolist()) if w > 0]
+    return sum(w * loss for _, w, loss in read) / sum(w for _, w, _ in read), {name: loss for name, _, loss in read}
 
 
 def main(argv: list[str]) -> int:
@@ -44,20 +54,23 @@ def main(argv: list[str]) -> int:
     model, ckpt = load_gpt(args.checkpoint, device)
     run = ckpt["config"]
     dtype = compute_dtype(args.dtype or run["dtype"], device)
-    data_path = args.data_path or run["data_path"]
-    meta = prepare_data(data_path, None, run["tokenizer"])
-    if meta["tokenizer"] != run["tokenizer"]:
-        raise UserError(f"the dataset was tokenized with '{meta['tokenizer']}', the model trained on "
-                        f"'{run['tokenizer']}': evaluate on data prepared with '{run['tokenizer']}'")
+    mix = None if args.data_path else run.get("data_mix")  # the run's data, a mixture's sources each
+    sources = prepare_sources(mix, args.data_path or run["data_path"], None, run["tokenizer"])
+    for name, (path, meta) in sources.items():
+        if meta["tokenizer"] != run["tokenizer"]:
+            raise UserError(f"{path} was tokenized with '{meta['tokenizer']}', the model trained on "
+                            f"'{run['tokenizer']}': evaluate on data prepared with '{run['tokenizer']}'")
     micro_batch = args.micro_batch or run["micro_batch"]
-    loader = BatchLoader(data_path, meta, model.config.block_size,
-                         micro_batch, micro_batch, 0, 1, run["seed"], device)  # one rank, val windows only
+    segment = None if mix is None else Segment(0, run["data_weights"], {})
+    loader = BatchLoader(sources, model.config.block_size, micro_batch, micro_batch, 0, 1, run["seed"], device,
+                         segment)  # one rank, val windows only
     n_windows = (args.eval_iters or run["eval_iters"]) * run["train_batch"]
     with autocast(dtype, device, fsdp=False):
-        loss_sum, windows = val_loss_sums(model, loader, n_windows).tolist()
-    loss = loss_sum / windows
-    print(f"step {ckpt['step']} | val loss {loss:.6f} | perplexity {math.exp(loss):.3f} "
-          f"| {int(windows)} windows of {model.config.block_size} tokens | {str(dtype).removeprefix('torch.')}")
+        total = val_loss_sums(model, loader, n_windows)
+    loss, per_source = val_losses(total, loader)
+    each = "".join(f" | {name} {value:.6f}" for name, value in per_source.items()) if mix else ""
+    print(f"step {ckpt['step']} | val loss {loss:.6f} | perplexity {math.exp(loss):.3f}{each} "
+          f"| {int(total[:, 1].sum())} windows of {model.config.block_size} tokens | {str(dtype).removeprefix('torch.')}")
     return 0
 
 

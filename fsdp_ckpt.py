@@ -2,7 +2,8 @@
 the files), collectives included: every rank calls every method at the same point.
 
 Both formats carry `step`, `model_config`, `config` (resolved) and `train_state`. Data position
-and dropout RNG are functions of (seed, step, rank), so `step` restores both.
+and dropout RNG are functions of (seed, step, rank), so `step` restores both; a mixture adds its
+segment and the rows each source supplied (train_state["data"], mixture.py).
 
 python fsdp_ckpt.py consolidate fsdp_sharded_cpt{step}_rank0.pth OUT.pth   # sharded set -> one full file
 """
@@ -22,7 +23,7 @@ from ckpt_format import (
     fill_local, full_path, host_copy, is_first_replica, load_file, local_slice, marker_path, open_rank_files,
     piece_of, read_marker, read_sharded, save_atomically, shard_path)
 from ckpt_index import build_index, check_file, check_whole, files_to_open, layout, wanted_rows
-from config import UserError, exit_code, to_dict
+from config import RunStopped, UserError, exit_code, to_dict
 from launch import agree
 
 
@@ -72,20 +73,23 @@ class CheckpointManager:
     def __init__(self, cfg, topo):
         self.cfg, self.topo, self.dir = cfg, topo, cfg.checkpoint_dir
         self._pending = None  # the save being written: step, paths, thread, error
-        self.last_saved = None  # this rank's file of the newest finished save
+        self.last_saved = None  # this rank's file of the newest finished save, or the one resumed from
+        self.train_state = {}  # the resumed checkpoint's train_state, on every rank
         # every rank that writes makes the folder: on node-local disks each node needs its own
         writes = topo.is_main or cfg.checkpoint_type == "sharded"
         agree(lambda: os.makedirs(self.dir, exist_ok=True) if writes else None)
 
     # ---- saving ----
-    def _header(self, step: int) -> dict:
+    def _header(self, step: int, data_state: dict | None) -> dict:
         cfg = self.cfg
-        return {"step": step, "model_config": cfg.model_shape | {"dropout": cfg.dropout},
-                "config": to_dict(cfg), "train_state": {"next_step": step + 1, "seed": cfg.seed}}
+        return {"step": step, "model_config": cfg.model_shape | {"dropout": cfg.dropout}, "config": to_dict(cfg),
+                "train_state": {"next_step": step + 1, "seed": cfg.seed, "data": data_state}}
 
-    def save(self, step: int, model, optimizer) -> None:
-        """Copy the state off the training tensors, then write it (in the background with async_save)."""
+    def save(self, step: int, model, optimizer, data_state: dict | None = None) -> None:
+        """Copy the state off the training tensors, then write it (in the background with async_save).
+        A state holding a non-finite value is never written: every rank stops instead."""
         self.wait()  # one save in flight at a time
+        self._refuse_non_finite(step, model, optimizer)
         if self.cfg.checkpoint_type == "full":
             # collectives on every rank; rank 0 alone receives the full dicts (host copies) and writes
             state = {"model": get_model_state_dict(model, options=FULL_OPTIONS),
@@ -93,12 +97,12 @@ class CheckpointManager:
             path, marker = full_path(self.dir, step), None
             if self.cfg.async_save:  # a 1-rank gather may alias the live tensors: own the bytes
                 state = tree_map_only(torch.Tensor, torch.clone, state)
-            writes = [(self._header(step) | state, path)] if self.topo.is_main else []
+            writes = [(self._header(step, data_state) | state, path)] if self.topo.is_main else []
         else:
             state = sharded_state(model, optimizer, self.topo.rank) | {
                 "rank": self.topo.rank, "world_size": self.topo.world_size}
             path, marker = shard_path(self.dir, step, self.topo.rank), marker_path(self.dir, step)
-            writes = [(self._header(step) | state, path)]
+            writes = [(self._header(step, data_state) | state, path)]
         self._pending = {"step": step, "path": path, "marker": marker, "error": None,
                          "layout": layout(state) if marker else None}
         if self.cfg.async_save:
@@ -107,6 +111,18 @@ class CheckpointManager:
         else:
             _write(writes, self._pending)
             self.wait()
+
+    def _refuse_non_finite(self, step: int, model, optimizer) -> None:
+        """A collective: each rank checks its own slices, and all learn whether any rank found one."""
+        tensors = [*model.parameters()] + [v for s in optimizer.state.values() for v in s.values()
+                                           if isinstance(v, torch.Tensor)]
+        bad = torch.zeros((), device=self.topo.device)
+        for t in tensors:
+            bad = torch.maximum(bad, (~torch.isfinite(local_slice(t)[0])).any().float())
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        if bad.item():
+            raise RunStopped(f"the state after step {step} holds a non-finite value: not saved. Last good checkpoint: "
+                             f"{self.last_saved or 'none'}")
 
     def wait(self) -> None:
         """Finish the save in flight: every rank calls this at the same point (it may hold a barrier)."""
@@ -161,6 +177,7 @@ class CheckpointManager:
         return step
 
     def _announce(self, path: str, step: int) -> None:
+        self.last_saved = path
         if self.topo.is_main:
             print(f"resumed from {path} at step {step}", flush=True)
 
@@ -212,11 +229,12 @@ class CheckpointManager:
             check_model_shape(f"checkpoint {path}", ckpt["model_config"], self.cfg)
             return ckpt
         ckpt = agree(read if self.topo.is_main else dict)
-        step = [ckpt.get("step")]
-        dist.broadcast_object_list(step, src=0)
+        header = [ckpt.get("step"), ckpt.get("train_state", {})]
+        dist.broadcast_object_list(header, src=0)
         set_model_state_dict(model, ckpt.get("model", {}), options=LOAD_OPTIONS)
         set_optimizer_state_dict(model, optimizer, ckpt.get("optimizer", {}), options=LOAD_OPTIONS)
-        return step[0]
+        self.train_state = header[1]
+        return header[0]
 
     def _load_sharded(self, directory: str, step: int, model, optimizer) -> int:
         names = _parameter_names(model)
@@ -226,10 +244,13 @@ class CheckpointManager:
         # the first replica of each slice reads it; the other replicas receive it (below)
         reads = is_first_replica(next(iter(names)), self.topo.rank)
         files = agree(lambda: self._open_needed(directory, marker[0], names) if reads else [])
-        # which parameters have optimizer state, its keys and scalars (`step`): rank 0 reads, tells all
+        # which parameters have optimizer state, its keys and scalars (`step`), and the train state:
+        # rank 0 reads, tells all
         skeleton = [{name: {key: None if isinstance(value, dict) else value for key, value in saved.items()}
-                     for name, saved in files[0]["optimizer"].items()} if self.topo.is_main else None]
+                     for name, saved in files[0]["optimizer"].items()} if self.topo.is_main else None,
+                    files[0].get("train_state", {}) if self.topo.is_main else None]
         dist.broadcast_object_list(skeleton, src=0)
+        self.train_state = skeleton[1]
         group_of = {p: group for group in optimizer.param_groups for p in group["params"]}
         for p, name in names.items():
             if files:

@@ -5,7 +5,8 @@ import numpy as np
 import torch
 
 from config import UserError
-from data import LLMC_HEADER_INTS, LLMC_VERSIONS, llmc_header, llmc_shards
+from data import LLMC_HEADER_INTS, llmc_format, llmc_header, llmc_shards
+from mixture import Mixture, Segment, val_shares
 
 
 class TokenStream:
@@ -36,52 +37,75 @@ def open_split(data_path: str, meta: dict, split: str) -> TokenStream:
         arrays = []
         for path in shards:
             version, count = llmc_header(path)
-            arrays.append(np.memmap(path, dtype=LLMC_VERSIONS[version][0], mode="r", offset=4 * LLMC_HEADER_INTS,
+            arrays.append(np.memmap(path, dtype=llmc_format(version).dtype, mode="r", offset=4 * LLMC_HEADER_INTS,
                                     shape=(count,)))
         return TokenStream(arrays)
     return TokenStream([np.memmap(os.path.join(data_path, f"{split}.bin"), dtype=np.dtype(meta["dtype"]), mode="r")])
 
 
-class BatchLoader:
-    """Deterministic batches: the global batch of step s depends only on (seed, s).
+class RandomWindows:
+    """One dataset (data_path): step s's rows start at train_batch offsets drawn anywhere in the train
+    tokens by a generator seeded with (seed, s), with replacement (nanoGPT's sampling)."""
 
-    Step s draws train_batch start offsets from a generator seeded with (seed, s);
-    data-parallel rank r takes rows [r * n, (r + 1) * n) of them, n = train_batch / dp,
-    and cuts them into micro-batches. World size, micro batch and restarts change who
-    computes which row, never which rows make up the step; nor does the same token
-    sequence split into other files (llm.c shards).
+    def __init__(self, tokens: int, seed: int, train_batch: int):
+        self.tokens, self.seed, self.train_batch = tokens, seed, train_batch
+
+    def rows(self, step: int, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+        starts = np.random.default_rng([self.seed, step]).integers(0, self.tokens - block_size - 1, size=self.train_batch)
+        return np.zeros(self.train_batch, dtype=np.int64), starts
+
+
+class BatchLoader:
+    """Deterministic batches: the global batch of step s depends only on (seed, s) (and, for a
+    mixture, its segment: mixture.py).
+
+    The sampler gives step s's train_batch rows as (source, start offset); data-parallel rank r takes
+    rows [r * n, (r + 1) * n) of them, n = train_batch / dp, and cuts them into micro-batches. World
+    size, micro batch and restarts change who computes which row, never which rows make up the step;
+    nor does the same token sequence split into other files (llm.c shards).
+
+    sources: {name: (folder, its metadata)}; one (data_path) or several (data_mix, with a segment).
     """
 
-    def __init__(self, data_path: str, meta: dict, block_size: int, train_batch: int,
-                 micro_batch: int, dp_rank: int, dp_size: int, seed: int, device: torch.device):
+    def __init__(self, sources: dict[str, tuple[str, dict]], block_size: int, train_batch: int, micro_batch: int,
+                 dp_rank: int, dp_size: int, seed: int, device: torch.device, segment: Segment | None = None):
         self.block_size, self.train_batch, self.micro_batch = block_size, train_batch, micro_batch
         self.dp_rank, self.dp_size, self.seed, self.device = dp_rank, dp_size, seed, device
-        self.splits = {split: open_split(data_path, meta, split) for split in ("train", "val")}
-        for split, tokens in self.splits.items():
-            if len(tokens) <= block_size + 1:
-                raise UserError(f"the {split} split of {data_path} holds {len(tokens)} tokens, fewer than "
-                                f"block_size+1={block_size + 1}")
+        self.names = list(sources)
+        self.splits = {split: [open_split(path, meta, split) for path, meta in sources.values()]
+                       for split in ("train", "val")}
+        for split, streams in self.splits.items():
+            for (path, _), tokens in zip(sources.values(), streams):
+                if len(tokens) <= block_size + 1:
+                    raise UserError(f"the {split} split of {path} holds {len(tokens)} tokens, fewer than "
+                                    f"block_size+1={block_size + 1}")
+        train = self.splits["train"]
+        self.mixture = None if segment is None else Mixture(
+            self.names, [(len(tokens) - 1) // block_size for tokens in train], segment, seed, train_batch)
+        self.sampler = self.mixture or RandomWindows(len(train[0]), seed, train_batch)
+        self.val_weights = [1.0] if segment is None else [segment.weights[name] for name in self.names]
         # on GPU the next micro-batch is copied on a side stream while the current one computes;
         # on CPU there is no copy to hide and batches are built when asked for
         self.one_ahead = device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(device) if self.one_ahead else None
         self._ahead = None  # ((step, micro_step), copy in flight)
 
-    def _host_rows(self, split: str, starts: np.ndarray) -> torch.Tensor:
-        tokens, T = self.splits[split], self.block_size
-        return torch.from_numpy(np.stack([tokens.window(int(s), T + 1) for s in starts]).astype(np.int64))
+    def _host_rows(self, split: str, chunk: tuple[np.ndarray, np.ndarray]) -> torch.Tensor:
+        streams, T = self.splits[split], self.block_size
+        rows = [streams[int(k)].window(int(s), T + 1) for k, s in zip(*chunk)]
+        return torch.from_numpy(np.stack(rows).astype(np.int64))
 
-    def _rows(self, split: str, starts: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        xy = self._finish_copy(self._start_copy(self._host_rows(split, starts)))
+    def _rows(self, split: str, chunk: tuple[np.ndarray, np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
+        xy = self._finish_copy(self._start_copy(self._host_rows(split, chunk)))
         return xy[:, :-1], xy[:, 1:]
 
-    def _my_chunks(self, step: int) -> list[np.ndarray]:
-        """This rank's share of step `step`'s start offsets, cut into micro-batches."""
-        rng = np.random.default_rng([self.seed, step])
-        starts = rng.integers(0, len(self.splits["train"]) - self.block_size - 1, size=self.train_batch)
+    def _my_chunks(self, step: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """This rank's share of step `step`'s rows, (sources, start offsets), cut into micro-batches."""
+        sources, starts = self.sampler.rows(step, self.block_size)
         share = self.train_batch // self.dp_size
-        mine = starts[self.dp_rank * share:(self.dp_rank + 1) * share]
-        return [mine[i:i + self.micro_batch] for i in range(0, share, self.micro_batch)]
+        mine = slice(self.dp_rank * share, (self.dp_rank + 1) * share)
+        sources, starts = sources[mine], starts[mine]
+        return [(sources[i:i + self.micro_batch], starts[i:i + self.micro_batch]) for i in range(0, share, self.micro_batch)]
 
     def micro_batches(self, step: int):
         """Yield (x, y) micro-batches of this rank's share of step `step`'s global batch."""
@@ -121,20 +145,36 @@ class BatchLoader:
         return xy
 
     def val_batches(self, n_windows: int):
-        """Yield (x, y, weight) over the first n_windows consecutive val windows.
+        """Yield (source, x, y, weight) over the first consecutive val windows of each source: all
+        n_windows of one dataset, or a mixture's share of them in proportion to its weights.
 
-        Windows are dealt round-robin to ranks; every rank yields the same number of
-        micro-batches (collectives inside forward must match), padding with weight 0.
+        Windows are dealt round-robin to ranks; every rank yields the same number of micro-batches
+        (collectives inside forward must match), padding with weight 0.
         """
-        available = (len(self.splits["val"]) - 1) // self.block_size
-        n_windows = min(n_windows, available)
-        mine = np.arange(self.dp_rank, n_windows, self.dp_size)
-        per_rank = -(-n_windows // self.dp_size)
-        n_micro = -(-per_rank // self.micro_batch)
-        for i in range(n_micro):
-            ids = mine[i * self.micro_batch:(i + 1) * self.micro_batch]
-            weight = torch.zeros(self.micro_batch)
-            weight[:len(ids)] = 1.0
-            ids = np.concatenate([ids, np.zeros(self.micro_batch - len(ids), dtype=ids.dtype)])
-            x, y = self._rows("val", ids * self.block_size)
-            yield x, y, weight.to(x.device)
+        for k, wanted in enumerate(val_shares(n_windows, self.val_weights)):
+            available = (len(self.splits["val"][k]) - 1) // self.block_size
+            wanted = min(wanted, available)
+            mine = np.arange(self.dp_rank, wanted, self.dp_size)
+            per_rank = -(-wanted // self.dp_size)
+            for i in range(-(-per_rank // self.micro_batch)):
+                ids = mine[i * self.micro_batch:(i + 1) * self.micro_batch]
+                weight = torch.zeros(self.micro_batch)
+                weight[:len(ids)] = 1.0
+                ids = np.concatenate([ids, np.zeros(self.micro_batch - len(ids), dtype=ids.dtype)])
+                x, y = self._rows("val", (np.full(len(ids), k), ids * self.block_size))
+                yield k, x, y, weight.to(x.device)
+
+    def read(self, step: int) -> dict[str, float]:
+        """A mixture's progress after step `step` for TensorBoard: data/{name}/epoch and /tokens."""
+        if self.mixture is None:
+            return {}
+        supplied, epochs = self.mixture.supplied(step), self.mixture.epochs(step)
+        return {f"data/{name}/{what}": value for name in self.names
+                for what, value in (("epoch", epochs[name]), ("tokens", supplied[name] * self.block_size))}
+
+    def position(self, step: int) -> str:
+        """Where in the data step `step` read, in words (the guard's stop line names it)."""
+        if self.mixture is None:
+            return f"the batch of step {step} (seed {self.seed})"
+        epochs = ", ".join(f"{name} epoch {e:.3f}" for name, e in self.mixture.epochs(step).items())
+        return f"the batch of step {step} (seed {self.seed}; read so far: {epochs})"

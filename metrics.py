@@ -116,8 +116,10 @@ class ProgressLog:
         """Begin timing from `step` (after start-up, eval and resume)."""
         self.mark_time, self.mark_step = time.perf_counter(), step
 
-    def train(self, step: int, loss: float, lr: float, grad_norm: float, memory: torch.Tensor) -> None:
-        """memory: per_rank_memory(); the console shows the largest rank, TensorBoard every rank."""
+    def train(self, step: int, loss: float, lr: float, grad_norm: float, memory: torch.Tensor, skipped: int,
+              data: dict[str, float]) -> None:
+        """memory: per_rank_memory(); the console shows the largest rank, TensorBoard every rank.
+        skipped: non-finite steps skipped so far; data: a mixture's data/{source}/... scalars."""
         if not self.enabled:
             return
         now = time.perf_counter()
@@ -126,7 +128,8 @@ class ProgressLog:
         tokens_per_sec = self.tokens_per_step / step_time
         self.run_peak = memory if self.run_peak is None else torch.maximum(self.run_peak, memory)
         largest = dict(zip(MEMORY_COLUMNS, memory.max(dim=0).values.tolist()))
-        scalars = {"train/loss": loss, "train/lr": lr, "train/grad_norm": grad_norm, "perf/tokens_per_sec": tokens_per_sec}
+        scalars = {"train/loss": loss, "train/lr": lr, "train/grad_norm": grad_norm, "perf/tokens_per_sec": tokens_per_sec,
+                   "train/skipped_steps": skipped} | data
         scalars |= {f"mem/{column}_gb": gb for column, gb in largest.items()}
         for rank, row in enumerate(memory.tolist()):
             scalars |= {f"mem/rank{rank}/{column}_gb": gb for column, gb in zip(MEMORY_COLUMNS, row)
@@ -140,17 +143,22 @@ class ProgressLog:
         eta = _duration(step_time * (self.max_iters - step))
         # on CPU every column but state is the process's peak RSS: one figure is enough
         reserved = f" ({largest['reserved']:.2f} reserved)" if largest["reserved"] != largest["peak"] else ""
+        skips = f" | skipped {skipped}" if skipped else ""
         print(f"step {step}/{self.max_iters} | loss {loss:.4f} | lr {lr:.2e} | {tokens_per_sec:,.0f} tok/s "
-              f"| MFU {mfu} | mem {largest['peak']:.2f} GB{reserved} | ETA {eta}", flush=True)
+              f"| MFU {mfu} | mem {largest['peak']:.2f} GB{reserved} | ETA {eta}{skips}", flush=True)
 
-    def val(self, step: int, loss: float, sample: str) -> None:
+    def val(self, step: int, loss: float, sample: str, per_source: dict[str, float]) -> None:
+        """per_source: a mixture's val loss of each source (val/loss/{source})."""
         if self.enabled:
             self.writer.add_scalar("val/loss", loss, step)
             self.writer.add_scalar("val/perplexity", math.exp(loss), step)
+            for name, value in per_source.items():
+                self.writer.add_scalar(f"val/loss/{name}", value, step)
             # indented: TensorBoard renders text as markdown, this keeps it verbatim
             if sample:
                 self.writer.add_text("val/sample", "\n".join("    " + line for line in sample.splitlines()), step)
-            print(f"step {step}/{self.max_iters} | val loss {loss:.4f} | perplexity {math.exp(loss):.2f}", flush=True)
+            each = "".join(f" | {name} {value:.4f}" for name, value in per_source.items())
+            print(f"step {step}/{self.max_iters} | val loss {loss:.4f} | perplexity {math.exp(loss):.2f}{each}", flush=True)
 
     def close(self, memory: torch.Tensor) -> None:
         """memory: per_rank_memory() after the last step, eval and checkpoint."""

@@ -165,14 +165,18 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        """One update; where `self.found_inf` (set by guard.NonFiniteGuard) is 1, none: every
+        parameter and state keeps its value, decided on the device."""
         assert closure is None, "no closures: the training loop computes the loss"
+        found_inf = getattr(self, "found_inf", None)
         for group in self.param_groups:
             if not group["muon"]:
-                self._adamw_step(group)
+                self._adamw_step(group, found_inf)
         # every rank lists the same matrices in the same order: the rounds' collectives line up
-        self._muon_step([(p, g) for g in self.param_groups if g["muon"] for p in g["params"] if p.grad is not None])
+        self._muon_step([(p, g) for g in self.param_groups if g["muon"] for p in g["params"] if p.grad is not None],
+                        None if found_inf is None else found_inf == 0)
 
-    def _adamw_step(self, group: dict) -> None:
+    def _adamw_step(self, group: dict, found_inf: torch.Tensor | None) -> None:
         params = [p for p in group["params"] if p.grad is not None]
         for p in params:
             if not self.state[p]:  # as torch.optim.AdamW(fused=True) keeps it: `step` on the device
@@ -182,20 +186,28 @@ class MuonWithAdamW(torch.optim.Optimizer):
         beta1, beta2 = group["betas"]
         adamw(params, [p.grad for p in params], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
               [], [s["step"] for s in states], fused=True, amsgrad=False, beta1=beta1, beta2=beta2,
-              lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+              lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
+              found_inf=found_inf)
 
-    def _muon_step(self, matrices: list[tuple[torch.Tensor, dict]]) -> None:
+    def _muon_step(self, matrices: list[tuple[torch.Tensor, dict]], keep: torch.Tensor | None) -> None:
+        """keep: None, or a 0-dim bool on the device, False where the step is to change nothing."""
         updates = []  # this rank's rows of each matrix's Nesterov momentum
         for p, group in matrices:
             if not self.state[p]:
                 self.state[p] = {"momentum_buffer": torch.zeros_like(p)}
             buf, grad, mu = _local(self.state[p]["momentum_buffer"]), _local(p.grad), group["momentum"]
-            buf.lerp_(grad, 1 - mu)
+            _assign(buf, buf.lerp(grad, 1 - mu), keep)
             updates.append(grad.lerp(buf, mu))
         for start in range(0, len(matrices), self.exchange.round):
             batch = matrices[start:start + self.exchange.round]
             slices = updates[start:start + self.exchange.round]
             for (p, group), update in zip(batch, self.exchange.orthogonalised(slices, [p.shape for p, _ in batch], self.device)):
                 weight = _local(p)
-                weight.mul_(1 - group["lr"] * group["weight_decay"])
-                weight.add_(update, alpha=-group["lr"] * rms_matching_scale(p.shape))
+                new = torch.add(weight * (1 - group["lr"] * group["weight_decay"]), update,
+                                alpha=-group["lr"] * rms_matching_scale(p.shape))
+                _assign(weight, new, keep)
+
+
+def _assign(target: torch.Tensor, new: torch.Tensor, keep: torch.Tensor | None) -> None:
+    """target = new, or where keep is False (a skipped step), target as it was."""
+    target.copy_(new if keep is None else torch.where(keep, new, target))

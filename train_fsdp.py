@@ -17,16 +17,19 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ckpt_format import check_model_shape
 from config import UserError, help_text, parse_args, to_yaml
-from data import get_tokenizer, prepare_data
-from evaluate import val_loss_sums
+from data import get_tokenizer, prepare_sources
+from evaluate import val_losses, val_loss_sums
 from fsdp_ckpt import CheckpointManager
+from guard import NonFiniteGuard
 from hf_format import read_hf_folder
 from loader import BatchLoader
 from launch import STRATEGY_TABLE, Topology, agree, init_distributed, run_entry_point
 from metrics import ProgressLog, per_rank_memory
+from mixture import resumed_segment
 from model import GPT, GPTConfig
 from muon import MuonWithAdamW, is_muon_matrix
 from precision import DTYPES, autocast, compute_dtype
+from schedule import lr_at
 from sample import complete
 
 def initial_state(cfg, gpt_cfg: GPTConfig) -> dict:
@@ -123,16 +126,6 @@ def build_optimizer(cfg, gpt: GPT, device: torch.device) -> torch.optim.Optimize
     return OPTIMIZERS[cfg.optimizer](cfg, gpt, device)
 
 
-def lr_at(cfg, step: int) -> float:
-    """Linear warmup over steps 1..warmup_iters, cosine down to min_lr at lr_decay_iters."""
-    if step <= cfg.warmup_iters:
-        return cfg.learning_rate * step / cfg.warmup_iters
-    if step >= cfg.lr_decay_iters:
-        return cfg.min_lr
-    progress = (step - cfg.warmup_iters) / (cfg.lr_decay_iters - cfg.warmup_iters)
-    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.learning_rate - cfg.min_lr)
-
-
 class StopSignal:
     """SIGTERM (what schedulers send before preemption) asks for a checkpoint and a clean exit.
 
@@ -170,9 +163,9 @@ def forward_context(cfg, topo: Topology):
 
 
 @torch.no_grad()
-def evaluate(model, gpt: GPT, loader: BatchLoader, cfg, tokenizer, compute) -> tuple[float, str]:
-    """Mean loss over the first eval_iters * train_batch val windows (whatever the world size),
-    and a text sample; `compute`: the context training's forwards run in (the same dtype)."""
+def evaluate(model, gpt: GPT, loader: BatchLoader, cfg, tokenizer, compute) -> tuple[float, str, dict]:
+    """Mean loss over the first eval_iters * train_batch val windows (whatever the world size), a
+    text sample, and a mixture's loss per source; `compute`: the context training's forwards run in."""
     model.eval()
     with compute():
         total = val_loss_sums(model, loader, cfg.eval_iters * cfg.train_batch)
@@ -190,7 +183,8 @@ def evaluate(model, gpt: GPT, loader: BatchLoader, cfg, tokenizer, compute) -> t
         if isinstance(module, FSDPModule):
             module.reshard()
     model.train()
-    return (total[0] / total[1]).item(), text
+    loss, per_source = val_losses(total, loader)
+    return loss, text, per_source if loader.mixture else {}
 
 
 def resolve_vocabulary(cfg, meta: dict, topo: Topology):
@@ -216,6 +210,27 @@ def resolve_vocabulary(cfg, meta: dict, topo: Topology):
     return tokenizer
 
 
+def open_loader(cfg, sources: dict, topo: Topology, train_state: dict, step: int) -> BatchLoader:
+    """The batch loader of a run resumed after `step` (0: a fresh one). A mixture continues the
+    checkpoint's segment, or starts a new one where it left off when data_weights changed."""
+    segment = None
+    if cfg.data_mix is not None:
+        segment, note = resumed_segment(list(cfg.data_mix), cfg.data_weights, (train_state.get("data") or {}).get("mixture"),
+                                        step, cfg.train_batch)
+        if note and topo.is_main:
+            print(f"note: {note}", flush=True)
+    return BatchLoader(sources, cfg.block_size, cfg.train_batch, cfg.micro_batch, topo.rank, topo.world_size, cfg.seed,
+                       topo.device, segment)
+
+
+def data_state(loader: BatchLoader, step: int) -> dict:
+    """What a checkpoint keeps of the data: a mixture's segment and the rows each source supplied
+    (one dataset's position is a function of (seed, step) alone)."""
+    if loader.mixture is None:
+        return {}
+    return {"mixture": loader.mixture.state(step)}
+
+
 def train(cfg) -> None:
     stop_signal = StopSignal()  # first: a preemption during start-up still ends with a checkpoint
     topo = init_distributed(cfg)
@@ -225,9 +240,10 @@ def train(cfg) -> None:
                         f"x {world} ranks = {cfg.micro_batch * world}")
     accum_steps = cfg.train_batch // (cfg.micro_batch * world)
     # each rank reads the data itself (node-local disks): a failure on one stops every rank
-    meta = agree(lambda: prepare_data(cfg.data_path, cfg.data_source, cfg.tokenizer))
+    sources = agree(lambda: prepare_sources(cfg.data_mix, cfg.data_path, cfg.data_source, cfg.tokenizer))
+    meta = next(iter(sources.values()))[1]
     if topo.is_main and meta["tokenizer"] != cfg.tokenizer:
-        print(f"note: {cfg.data_path} was prepared with tokenizer '{meta['tokenizer']}', which is used instead of "
+        print(f"note: the data was prepared with tokenizer '{meta['tokenizer']}', which is used instead of "
               f"the configured '{cfg.tokenizer}'", flush=True)
     cfg.tokenizer = meta["tokenizer"]  # what the data holds: sampling and export decode with it
     tokenizer = resolve_vocabulary(cfg, meta, topo)
@@ -246,12 +262,12 @@ def train(cfg) -> None:
     optimizer = build_optimizer(cfg, gpt, device)
     ckpt = CheckpointManager(cfg, topo)
     step = ckpt.resume(cfg.resume_from, model, optimizer)
-    loader = BatchLoader(cfg.data_path, meta, cfg.block_size, cfg.train_batch, cfg.micro_batch,
-                         rank, world, cfg.seed, device)
+    loader = open_loader(cfg, sources, topo, ckpt.train_state, step)
     tokens_per_step = cfg.train_batch * cfg.block_size
     log = ProgressLog(topo.is_main, cfg.tensorboard_dir, cfg.max_iters, tokens_per_step, gpt.flops_per_token(),
                       device, world)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    guard = NonFiniteGuard(device, cfg.max_skipped_steps)
     compute = forward_context(cfg, topo)
     if step == 0:
         log.val(0, *evaluate(model, gpt, loader, cfg, tokenizer, compute))
@@ -271,6 +287,7 @@ def train(cfg) -> None:
             loss_sum += loss.detach()
         scaler.unscale_(optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
+        guard.check(step, grad_norm, optimizer, scaler)  # a non-finite step: every rank skips the update
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
@@ -279,10 +296,11 @@ def train(cfg) -> None:
             dist.all_reduce(loss_sum)  # every rank's share: the loss of the whole global batch
             grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
             log.train(step, loss_sum.item() / (accum_steps * world), lr, grad_norm.item(),
-                      per_rank_memory(model, optimizer, device))
+                      per_rank_memory(model, optimizer, device), guard.skipped_steps(), loader.read(step))
+            guard.stop_if_too_many(loader.position(step), ckpt.last_saved)
             if stop_signal.agreed(device):
                 # the checkpoint first, no eval or text sample: the grace period before SIGKILL is short
-                ckpt.save(step, model, optimizer)
+                ckpt.save(step, model, optimizer, data_state(loader, step))
                 if topo.is_main:
                     print(f"SIGTERM: stopped after step {step} with its checkpoint saved", flush=True)
                 break
@@ -290,7 +308,7 @@ def train(cfg) -> None:
             log.val(step, *evaluate(model, gpt, loader, cfg, tokenizer, compute))
             log.start(step)  # tokens/s and ETA count training time only
         if step % cfg.save_interval == 0 or last:
-            ckpt.save(step, model, optimizer)
+            ckpt.save(step, model, optimizer, data_state(loader, step))
             log.start(step)
     ckpt.close()
     log.close(per_rank_memory(model, optimizer, device))

@@ -137,7 +137,7 @@ def bench_scaling(rounds: int, workdir: str) -> None:
 def bench_loader(workdir: str) -> None:
     path = demo_data()
     meta = prepare_data(path, None, "bytes")
-    loader = BatchLoader(path, meta, shape()["block_size"], BATCH, BATCH, 0, 1, 0, torch.device("cpu"))
+    loader = BatchLoader({"data": (path, meta)}, shape()["block_size"], BATCH, BATCH, 0, 1, 0, torch.device("cpu"))
     n_steps, start = 200, time.perf_counter()
     for step in range(1, n_steps + 1):
         for x, y in loader.micro_batches(step):

@@ -116,11 +116,13 @@ def test_a_killed_preparation_run_again_gives_the_same_bytes(documents, tmp_path
     assert token_files(tmp_path / "d") == token_files(tmp_path / "whole")
 
 
-def write_llmc_shard(path, tokens, magic=data.LLMC_MAGIC, version=1, count=None):
+def write_llmc_shard(path, tokens, version=1, magic=None, count=None):
+    """A shard as llm.c writes it: GPT-2's (version 1, uint16) or Llama 3's (version 7, uint32)."""
+    fmt = data.LLMC_FORMATS[version if version in data.LLMC_FORMATS else 1]
     header = np.zeros(data.LLMC_HEADER_INTS, dtype=np.int32)
-    header[:3] = magic, version, len(tokens) if count is None else count
+    header[:3] = fmt.magic if magic is None else magic, version, len(tokens) if count is None else count
     with open(path, "wb") as f:
-        f.write(header.tobytes() + np.asarray(tokens, dtype=np.uint16).tobytes())
+        f.write(header.tobytes() + np.asarray(tokens, dtype=fmt.dtype).tobytes())
 
 
 @pytest.fixture
@@ -141,25 +143,26 @@ def test_llmc_shards_train_on_the_same_stream_as_one_file(prepared_and_shards):
     (prepared, meta), shards = prepared_and_shards
     shard_meta = data.prepare_data(shards, None, "gpt2")
     assert shard_meta["format"] == "llm.c" and shard_meta["vocab_size"] == 50257 and shard_meta["tokenizer"] == "gpt2"
-    loaders = [BatchLoader(path, m, 32, 16, 4, 0, 1, 5, torch.device("cpu"))
+    loaders = [BatchLoader({"data": (path, m)}, 32, 16, 4, 0, 1, 5, torch.device("cpu"))
                for path, m in ((prepared, meta), (shards, shard_meta))]
     for step in range(1, 30):  # 16 windows a step: many cross the files' boundaries
         one, cut = (torch.cat([x for x, _ in loader.micro_batches(step)]) for loader in loaders)
         assert torch.equal(one, cut)
-    one, cut = (torch.cat([x for x, _, _ in loader.val_batches(8)]) for loader in loaders)
+    one, cut = (torch.cat([x for _, x, _, _ in loader.val_batches(8)]) for loader in loaders)
     assert torch.equal(one, cut)
 
 
 @pytest.mark.parametrize("damage, message", [
     (dict(magic=123), "is not an llm.c token shard"),
-    (dict(version=7), "llm.c shard version 7 is not supported"),
+    (dict(version=7, magic=20240520), "llm.c shard version 7 with magic 20240520 is not supported"),
     (dict(count=10_000), "but its header says 10,000 tokens"),
 ])
 def test_damaged_llmc_shards_are_refused(damage, message, tmp_path):
     write_llmc_shard(tmp_path / "x_val_000000.bin", range(100))
     write_llmc_shard(tmp_path / "x_train_000001.bin", range(100), **damage)
     with pytest.raises(UserError, match=message):
-        BatchLoader(str(tmp_path), data.prepare_data(str(tmp_path), None, "gpt2"), 8, 4, 2, 0, 1, 0, torch.device("cpu"))
+        BatchLoader({"data": (str(tmp_path), data.prepare_data(str(tmp_path), None, "gpt2"))}, 8, 4, 2, 0, 1, 0,
+                    torch.device("cpu"))
 
 
 @pytest.mark.slow

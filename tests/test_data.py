@@ -58,7 +58,7 @@ def test_nanogpt_raw_bins_are_used_as_they_are(tmp_path):
     np.arange(500, dtype=np.uint16).tofile(tmp_path / "d" / "val.bin")
     meta = data.prepare_data(str(tmp_path / "d"), None, "gpt2")
     assert meta == {"tokenizer": "gpt2", "vocab_size": None, "dtype": "uint16"}
-    loader = BatchLoader(str(tmp_path / "d"), meta, 8, 4, 2, 0, 1, 0, torch.device("cpu"))
+    loader = BatchLoader({"data": (str(tmp_path / "d"), meta)}, 8, 4, 2, 0, 1, 0, torch.device("cpu"))
     x, y = next(loader.micro_batches(1))
     assert torch.equal(y[:, :-1], x[:, 1:]) and torch.equal(x[:, 1] - x[:, 0], torch.ones(2, dtype=torch.long))
 
@@ -71,7 +71,7 @@ def test_missing_data_is_a_user_error(tmp_path):
 def global_batch(data_path, meta, step, dp_size, micro_batch, train_batch=8):
     rows = []
     for rank in range(dp_size):
-        loader = BatchLoader(data_path, meta, 16, train_batch, micro_batch, rank, dp_size, 3, torch.device("cpu"))
+        loader = BatchLoader({"data": (data_path, meta)}, 16, train_batch, micro_batch, rank, dp_size, 3, torch.device("cpu"))
         rows += [x for x, _ in loader.micro_batches(step)]
     return torch.cat(rows)
 
@@ -89,10 +89,10 @@ def test_val_windows_cover_the_same_tokens_for_any_world_size(tmp_path):
     for dp_size in (1, 3, 4):
         seen = []
         for rank in range(dp_size):
-            loader = BatchLoader(str(tmp_path / "d"), meta, 16, 8, 2, rank, dp_size, 3, torch.device("cpu"))
+            loader = BatchLoader({"data": (str(tmp_path / "d"), meta)}, 16, 8, 2, rank, dp_size, 3, torch.device("cpu"))
             batches = list(loader.val_batches(10))
             assert len(batches) == -(-(-(-10 // dp_size)) // 2)  # same count on every rank
-            seen += [x[i] for x, _, w in batches for i in range(len(w)) if w[i] == 1]
+            seen += [x[i] for _, x, _, w in batches for i in range(len(w)) if w[i] == 1]
         val = np.memmap(tmp_path / "d" / "val.bin", dtype=np.uint16, mode="r")
         expected = [tuple(val[i * 16:i * 16 + 16].tolist()) for i in range(10)]
         assert sorted(tuple(x.tolist()) for x in seen) == sorted(expected)
@@ -103,7 +103,7 @@ def test_one_ahead_loading_yields_the_same_batches_and_reads_each_once(tmp_path)
     steps too), run on CPU: same batches as the plain loader, no micro-batch read twice except
     after a jump in steps, where the one in flight is of no use."""
     meta = data.prepare_data(str(tmp_path / "d"), str(write_corpus(tmp_path / "src")), "bytes")
-    plain, ahead = (BatchLoader(str(tmp_path / "d"), meta, 16, 8, 2, 1, 2, 3, torch.device("cpu")) for _ in range(2))
+    plain, ahead = (BatchLoader({"data": (str(tmp_path / "d"), meta)}, 16, 8, 2, 1, 2, 3, torch.device("cpu")) for _ in range(2))
     ahead.one_ahead = True
     reads = []
     host_rows = ahead._host_rows

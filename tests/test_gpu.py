@@ -80,7 +80,7 @@ sys.path.insert(0, {root!r})
 from data import prepare_data
 from loader import BatchLoader
 meta = prepare_data({path!r}, None, "bytes")
-gpu, cpu = (BatchLoader({path!r}, meta, 32, 8, 2, 0, 1, 7, torch.device(d)) for d in ("cuda", "cpu"))
+gpu, cpu = (BatchLoader({{"data": ({path!r}, meta)}}, 32, 8, 2, 0, 1, 7, torch.device(d)) for d in ("cuda", "cpu"))
 assert gpu.one_ahead
 for step in (1, 2, 3, 7, 8):  # 7: a jump, as after a resume
     pairs = list(zip(gpu.micro_batches(step), cpu.micro_batches(step), strict=True))

@@ -122,9 +122,9 @@ def test_export_evaluate_sample_and_init_from(runs, corpus, tmp_path):
     hf = AutoModelForCausalLM.from_pretrained(out).eval()
     assert type(hf).__name__ == "Qwen3ForCausalLM"
     meta = prepare_data(corpus["data_path"], None, "bytes")
-    loader = BatchLoader(corpus["data_path"], meta, TINY["block_size"], TINY["micro_batch"], TINY["micro_batch"],
+    loader = BatchLoader({"data": (corpus["data_path"], meta)}, TINY["block_size"], TINY["micro_batch"], TINY["micro_batch"],
                          0, 1, TINY["seed"], torch.device("cpu"))
-    total, windows = val_loss_sums(lambda x: (hf(x).logits, None), loader, TINY["eval_iters"] * TINY["train_batch"]).tolist()
+    total, windows = val_loss_sums(lambda x: (hf(x).logits, None), loader, TINY["eval_iters"] * TINY["train_batch"])[0].tolist()
     assert total / windows == pytest.approx(logged, rel=1e-5)
     text = tool("sample.py", checkpoint, "--max_new_tokens", "16", "--seed", "1")
     assert text == tool("sample.py", checkpoint, "--max_new_tokens", "16", "--seed", "1") and text.strip()
