@@ -37,9 +37,10 @@ def val_loss_sums(model, loader: BatchLoader, n_windows: int) -> torch.Tensor:
 
 def val_losses(total: torch.Tensor, loader: BatchLoader) -> tuple[float, dict[str, float]]:
     """The val loss and each source's, from every rank's sums: a mixture's val loss is its sources'
-    mean weighted by data_weights (sources of weight 0 are not read)."""
-    read = [(name, w, s / n) for name, w, (s, n) in zip(loader.names, loader.val_weights, total.tolist()) if w > 0]
-    return sum(w * loss for _, w, loss in read) / sum(w for _, w, _ in read), {name: loss for name, _, loss in read}
+    mean weighted by data_weights (a source of weight 0 is measured, not counted)."""
+    each = {name: s / n for name, (s, n) in zip(loader.names, total.tolist())}
+    weights = dict(zip(loader.names, loader.val_weights))
+    return sum(weights[name] * loss for name, loss in each.items()) / sum(weights.values()), each
 
 
 def main(argv: list[str]) -> int:

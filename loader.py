@@ -6,7 +6,7 @@ import torch
 
 from config import UserError
 from data import LLMC_HEADER_INTS, llmc_format, llmc_header, llmc_shards
-from mixture import Mixture, Segment, val_shares
+from mixture import Mixture, Segment
 
 
 class TokenStream:
@@ -145,15 +145,15 @@ class BatchLoader:
         return xy
 
     def val_batches(self, n_windows: int):
-        """Yield (source, x, y, weight) over the first consecutive val windows of each source: all
-        n_windows of one dataset, or a mixture's share of them in proportion to its weights.
+        """Yield (source, x, y, weight) over the first n_windows consecutive val windows of each source
+        (a mixture's each: what the same eval of that source alone gives, whatever the weights).
 
         Windows are dealt round-robin to ranks; every rank yields the same number of micro-batches
         (collectives inside forward must match), padding with weight 0.
         """
-        for k, wanted in enumerate(val_shares(n_windows, self.val_weights)):
+        for k in range(len(self.names)):
             available = (len(self.splits["val"][k]) - 1) // self.block_size
-            wanted = min(wanted, available)
+            wanted = min(n_windows, available)
             mine = np.arange(self.dp_rank, wanted, self.dp_size)
             per_rank = -(-wanted // self.dp_size)
             for i in range(-(-per_rank // self.micro_batch)):

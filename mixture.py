@@ -140,13 +140,3 @@ def resumed_segment(names: list[str], weights: dict[str, float], saved: dict | N
     return Segment(step * train_batch, dict(weights), dict(saved["supplied"])), \
         f"data_weights changed on resume ({changes}): they apply from step {step + 1} on"
 
-
-def val_shares(n_windows: int, weights: list[float]) -> list[int]:
-    """The val windows each source contributes to the eval's n_windows: in proportion to the
-    weights (largest remainder), at least one for each source that is read."""
-    total = sum(weights)
-    exact = [n_windows * w / total for w in weights]
-    shares = [int(e) for e in exact]
-    for k in sorted(range(len(weights)), key=lambda k: exact[k] - shares[k], reverse=True)[:n_windows - sum(shares)]:
-        shares[k] += 1
-    return [max(s, 1) if w > 0 else 0 for s, w in zip(shares, weights)]

@@ -9,7 +9,7 @@ import data
 from config import UserError, parse_args
 from conftest import DEMO
 from loader import BatchLoader
-from mixture import Mixture, Segment, cycle, resumed_segment, shuffled, val_shares
+from mixture import Mixture, Segment, cycle, resumed_segment, shuffled
 
 
 @pytest.mark.parametrize("size", [1, 2, 7, 64, 1000, 1025, 4097])
@@ -84,13 +84,6 @@ def test_a_resume_with_the_same_weights_continues_the_segment_and_with_others_wh
     assert after.supplied(20) == {"web": 60 + 40, "code": 20 + 40}
     with pytest.raises(UserError, match="the checkpoint's mixture reads code, which data_mix lacks"):
         resumed_segment(["web"], {"web": 1.0}, saved, 10, 8)
-
-
-def test_val_shares_follow_the_weights():
-    assert val_shares(20, [0.75, 0.25]) == [15, 5]
-    assert val_shares(10, [1, 1, 1]) == [4, 3, 3]
-    assert val_shares(4, [0.98, 0.01, 0.01]) == [4, 1, 1]  # every source read is measured
-    assert val_shares(4, [1.0, 0.0]) == [4, 0]
 
 
 @pytest.mark.parametrize("override, message", [
