@@ -3,7 +3,7 @@
 wsd (warmup-stable-decay) holds the peak until the last decay_fraction of max_iters and decays
 from there to min_lr at max_iters: the rate of a stable-phase step does not depend on max_iters,
 so a run resumed from a stable-phase checkpoint with a larger max_iters continues exactly as a run
-planned that long would (docs/models.md). cosine reaches min_lr at lr_decay_iters, however long
+planned that long would (docs/long_runs.md). cosine reaches min_lr at lr_decay_iters, however long
 the run; constant stays at the peak.
 """
 import math

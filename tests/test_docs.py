@@ -5,8 +5,8 @@ A block runs under bash, top to bottom, stopping at the first failure. `python S
 `torchrun` are shell functions there that run the script through the tests' zygote (as torchrun
 would start its ranks, without importing torch again for each), append tiny overrides for the
 script they run (the trainer: a 1-layer model, a few steps, compile off, for each key the command
-doesn't set itself; data.py: one worker and cl100k_base, offline where gpt2's file would need a
-download; sample.py: a few tokens) and cap --nproc_per_node at 2. The folder's data/stdlib_bytes (the demo's data) is
+doesn't set itself; data.py: one worker, and cl100k_base for gpt2, whose file would need a
+download; sample.py: a few tokens; `python -c` and `-m` run the interpreter itself) and cap --nproc_per_node at 2. The folder's data/stdlib_bytes (the demo's data) is
 the test corpus, prepared. Blocks tagged ```text are shown, not run (multi-node pairs, SLURM,
 outputs, benchmarks that take minutes); every trainer command in them is still parsed against
 the config (test_text_blocks_name_real_keys).
@@ -34,13 +34,16 @@ tiny() {  # $1: the script, then its arguments: the overrides appended to the co
     local script=$1 o
     shift
     case "$script" in
-        data.py) echo "--workers 1 --tokenizer cl100k_base" ;;
+        data.py) echo -n "--workers 1 "; if [[ " $* " == *" gpt2 "* ]]; then echo "--tokenizer cl100k_base"; fi ;;
         sample.py) echo "--max_new_tokens 8" ;;
         train_fsdp.py|bench/compare_runs.py)
             for o in $TINY_TRAIN; do [[ " $* " == *" ${o%%=*}="* ]] || echo -n "$o "; done ;;
     esac
 }
-python() { "$PYTHON" "$ZYGOTE" --run "$ZYGOTE_SOCKET" 1 "$@" $(tiny "$@"); }
+python() {
+    if [[ $1 == -* ]]; then "$PYTHON" "$@"; return; fi  # python -c/-m: the real interpreter
+    "$PYTHON" "$ZYGOTE" --run "$ZYGOTE_SOCKET" 1 "$@" $(tiny "$@")
+}
 torchrun() {  # its own options (--standalone, --nproc_per_node, ...), then the script and its arguments
     local nproc=1
     while [[ $1 == --* ]]; do
