@@ -126,6 +126,9 @@ class TrainConfig:
     log_interval: int = key(10, "steps between console lines and train/ scalars")
     eval_interval: int = key(500, "steps between val/loss evaluations (also at step 0 and after the last)")
     eval_iters: int = key(20, "val/loss covers the first eval_iters x train_batch windows of val.bin")
+    mc_eval_path: str | dict | None = key(None, "multiple-choice files scored at every eval (eval/{name}/acc, "
+                                                "acc_norm): a path, or {name: path, ...}; HellaSwag's jsonl, "
+                                                "{context, choices, label} jsonl or llm.c's .bin")
     sample_tokens: int = key(64, "tokens of text sampled at each eval into TensorBoard (0: none)")
     tensorboard_dir: str = key("tensorboard", "where TensorBoard events go")
     seed: int = key(1337, "initial weights, the data order and dropout masks follow from it")
@@ -257,6 +260,11 @@ def parse_args(argv: list[str]) -> TrainConfig:
     return cfg
 
 
+def named_paths(paths: list[str]) -> dict[str, str]:
+    """Files named as their logs are (eval/{name}/acc): each file's name up to its first dot."""
+    return {os.path.basename(path).split(".")[0]: path for path in paths}
+
+
 def validate(cfg: TrainConfig) -> None:
     """Checks that need no knowledge of the launch (world size checks live with the mesh)."""
     def require(ok: bool, message: str):
@@ -304,6 +312,11 @@ def validate(cfg: TrainConfig) -> None:
     require(cfg.lr_schedule in LR_SCHEDULES, f"lr_schedule '{cfg.lr_schedule}' is not one of {', '.join(LR_SCHEDULES)}")
     require(0.0 <= cfg.decay_fraction <= 1.0, f"decay_fraction must be in [0, 1], got {cfg.decay_fraction}")
     require(cfg.decay_shape in DECAY_SHAPES, f"decay_shape '{cfg.decay_shape}' is not one of {', '.join(DECAY_SHAPES)}")
+    if isinstance(cfg.mc_eval_path, str):
+        cfg.mc_eval_path = named_paths([cfg.mc_eval_path])
+    require(cfg.mc_eval_path is None or (cfg.mc_eval_path and all(
+        isinstance(k, str) and isinstance(v, str) for k, v in cfg.mc_eval_path.items())),
+        f"mc_eval_path must be a path or {{name: path, ...}}, got {cfg.mc_eval_path!r}")
     require(cfg.max_skipped_steps >= 1, f"max_skipped_steps must be 1 or more, got {cfg.max_skipped_steps}")
     validate_mixture(cfg)
 

@@ -1,6 +1,7 @@
 """Validation loss: the sums the trainer reduces at every eval, and a standalone evaluation.
 
 python evaluate.py CHECKPOINT [--data_path PATH] [--eval_iters N] [--micro_batch M] [--dtype D]
+python evaluate.py CHECKPOINT --mc FILE [FILE ...]     # multiple-choice acc and acc_norm (mc_eval.py)
 
 val/loss is the mean next-token loss over the first eval_iters * train_batch windows of
 block_size tokens of val.bin (fewer if val.bin is shorter): the same tokens at any world
@@ -11,13 +12,15 @@ and their mean weighted by data_weights (val/loss/{name} and val/loss in TensorB
 import argparse
 import math
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
 
-from config import UserError, exit_code
+from config import UserError, exit_code, named_paths
 from data import prepare_sources
 from loader import BatchLoader
+from mc_eval import accuracies, load_sets, mc_sums, truncated
 from mixture import Segment
 from ckpt_format import load_gpt
 from precision import DTYPES, autocast, compute_dtype, pick_device
@@ -50,11 +53,16 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--eval_iters", type=int, help="default: the run's; windows = eval_iters * train_batch")
     parser.add_argument("--micro_batch", type=int, help="sequences per forward (default: the run's)")
     parser.add_argument("--dtype", choices=DTYPES, help="compute dtype (default: the run's)")
+    parser.add_argument("--mc", nargs="+", metavar="FILE", help="multiple-choice files (HellaSwag jsonl, "
+                        "{context, choices, label} jsonl, llm.c .bin): acc and acc_norm instead of val loss")
     args = parser.parse_args(argv)
     device = pick_device()
     model, ckpt = load_gpt(args.checkpoint, device)
     run = ckpt["config"]
     dtype = compute_dtype(args.dtype or run["dtype"], device)
+    if args.mc:
+        return multiple_choice(model, ckpt["step"], named_paths(args.mc), run["tokenizer"],
+                               args.micro_batch or run["micro_batch"], dtype, device)
     mix = None if args.data_path else run.get("data_mix")  # the run's data, a mixture's sources each
     sources = prepare_sources(mix, args.data_path or run["data_path"], None, run["tokenizer"])
     for name, (path, meta) in sources.items():
@@ -72,6 +80,19 @@ def main(argv: list[str]) -> int:
     each = "".join(f" | {name} {value:.6f}" for name, value in per_source.items()) if mix else ""
     print(f"step {ckpt['step']} | val loss {loss:.6f} | perplexity {math.exp(loss):.3f}{each} "
           f"| {int(total[:, 1].sum())} windows of {model.config.block_size} tokens | {str(dtype).removeprefix('torch.')}")
+    return 0
+
+
+def multiple_choice(model, step: int, paths: dict[str, str], tokenizer: str, items_per_forward: int,
+                    dtype: torch.dtype, device: torch.device) -> int:
+    block_size = model.config.block_size
+    for name, items in load_sets(paths, tokenizer, model.config.vocab_size).items():
+        start = time.perf_counter()
+        with autocast(dtype, device, fsdp=False):
+            scores = accuracies(mc_sums(model, items, block_size, items_per_forward, 0, 1, device))
+        print(f"step {step} | {name} | acc {scores['acc']:.4f} | acc_norm {scores['acc_norm']:.4f} | {len(items)} "
+              f"items, {truncated(items, block_size)} truncated to block_size {block_size} | "
+              f"{str(dtype).removeprefix('torch.')} | {time.perf_counter() - start:.1f} s")
     return 0
 
 

@@ -147,17 +147,22 @@ class ProgressLog:
         print(f"step {step}/{self.max_iters} | loss {loss:.4f} | lr {lr:.2e} | {tokens_per_sec:,.0f} tok/s "
               f"| MFU {mfu} | mem {largest['peak']:.2f} GB{reserved} | ETA {eta}{skips}", flush=True)
 
-    def val(self, step: int, loss: float, sample: str, per_source: dict[str, float]) -> None:
-        """per_source: a mixture's val loss of each source (val/loss/{source})."""
+    def val(self, step: int, loss: float, sample: str, per_source: dict[str, float], mc: dict[str, dict]) -> None:
+        """per_source: a mixture's val loss of each source (val/loss/{source}); mc: each multiple-choice
+        set's {acc, acc_norm} (eval/{name}/...)."""
         if self.enabled:
             self.writer.add_scalar("val/loss", loss, step)
             self.writer.add_scalar("val/perplexity", math.exp(loss), step)
             for name, value in per_source.items():
                 self.writer.add_scalar(f"val/loss/{name}", value, step)
+            for name, scores in mc.items():
+                for metric, value in scores.items():
+                    self.writer.add_scalar(f"eval/{name}/{metric}", value, step)
             # indented: TensorBoard renders text as markdown, this keeps it verbatim
             if sample:
                 self.writer.add_text("val/sample", "\n".join("    " + line for line in sample.splitlines()), step)
             each = "".join(f" | {name} {value:.4f}" for name, value in per_source.items())
+            each += "".join(f" | {name} acc {s['acc']:.4f} acc_norm {s['acc_norm']:.4f}" for name, s in mc.items())
             print(f"step {step}/{self.max_iters} | val loss {loss:.4f} | perplexity {math.exp(loss):.2f}{each}", flush=True)
 
     def close(self, memory: torch.Tensor) -> None:

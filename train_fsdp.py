@@ -21,6 +21,7 @@ from data import get_tokenizer, prepare_sources
 from evaluate import val_losses, val_loss_sums
 from fsdp_ckpt import CheckpointManager
 from guard import NonFiniteGuard
+from mc_eval import accuracies, load_sets, mc_sums, truncated
 from hf_format import read_hf_folder
 from loader import BatchLoader
 from launch import STRATEGY_TABLE, Topology, agree, init_distributed, run_entry_point
@@ -163,13 +164,19 @@ def forward_context(cfg, topo: Topology):
 
 
 @torch.no_grad()
-def evaluate(model, gpt: GPT, loader: BatchLoader, cfg, tokenizer, compute) -> tuple[float, str, dict]:
+def evaluate(model, gpt: GPT, loader: BatchLoader, cfg, tokenizer, mc_sets: dict, compute) -> tuple[float, str, dict, dict]:
     """Mean loss over the first eval_iters * train_batch val windows (whatever the world size), a
-    text sample, and a mixture's loss per source; `compute`: the context training's forwards run in."""
+    text sample, a mixture's loss per source, and each multiple-choice set's acc and acc_norm;
+    `compute`: the context training's forwards run in."""
     model.eval()
     with compute():
         total = val_loss_sums(model, loader, cfg.eval_iters * cfg.train_batch)
         dist.all_reduce(total)
+        mc = {}
+        for name, items in mc_sets.items():  # a micro batch of items per forward, each rank a share
+            right = mc_sums(model, items, cfg.block_size, cfg.micro_batch, loader.dp_rank, loader.dp_size, loader.device)
+            dist.all_reduce(right)
+            mc[name] = accuracies(right)
         text = ""
         if cfg.sample_tokens:
             # every rank generates the same tokens: each forward's gathers are collectives; eager,
@@ -184,7 +191,7 @@ def evaluate(model, gpt: GPT, loader: BatchLoader, cfg, tokenizer, compute) -> t
             module.reshard()
     model.train()
     loss, per_source = val_losses(total, loader)
-    return loss, text, per_source if loader.mixture else {}
+    return loss, text, per_source if loader.mixture else {}, mc
 
 
 def resolve_vocabulary(cfg, meta: dict, topo: Topology):
@@ -247,6 +254,11 @@ def train(cfg) -> None:
               f"the configured '{cfg.tokenizer}'", flush=True)
     cfg.tokenizer = meta["tokenizer"]  # what the data holds: sampling and export decode with it
     tokenizer = resolve_vocabulary(cfg, meta, topo)
+    mc_sets = agree(lambda: load_sets(cfg.mc_eval_path or {}, cfg.tokenizer, cfg.vocab_size))
+    for name, items in mc_sets.items():
+        if topo.is_main and truncated(items, cfg.block_size):
+            print(f"note: {truncated(items, cfg.block_size)} of {len(items)} items of {name} are longer than block_size "
+                  f"{cfg.block_size}: their contexts lose their start", flush=True)
     gpt_cfg = GPTConfig(**cfg.model_shape, dropout=cfg.dropout)
     dtype = compute_dtype(cfg.dtype, device)
     if topo.is_main:
@@ -270,7 +282,7 @@ def train(cfg) -> None:
     guard = NonFiniteGuard(device, cfg.max_skipped_steps)
     compute = forward_context(cfg, topo)
     if step == 0:
-        log.val(0, *evaluate(model, gpt, loader, cfg, tokenizer, compute))
+        log.val(0, *evaluate(model, gpt, loader, cfg, tokenizer, mc_sets, compute))
     log.start(step)
     while step < cfg.max_iters:
         step += 1
@@ -305,7 +317,7 @@ def train(cfg) -> None:
                     print(f"SIGTERM: stopped after step {step} with its checkpoint saved", flush=True)
                 break
         if step % cfg.eval_interval == 0 or last:
-            log.val(step, *evaluate(model, gpt, loader, cfg, tokenizer, compute))
+            log.val(step, *evaluate(model, gpt, loader, cfg, tokenizer, mc_sets, compute))
             log.start(step)  # tokens/s and ETA count training time only
         if step % cfg.save_interval == 0 or last:
             ckpt.save(step, model, optimizer, data_state(loader, step))

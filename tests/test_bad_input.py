@@ -39,6 +39,8 @@ def assert_one_line_error(result, *phrases):
     ({"init_from": "no/such/folder"}, ["init_from: no/such/folder/ has no config.json"]),
     ({"sharding_strategy": "HYBRID_SHARD", "fsdp_size": 2}, ["HYBRID_SHARD with fsdp_size=2 needs at least 2 ranks"]),
     ({"data_source": None, "data_path": "no/such/folder"}, ["no prepared data in 'no/such/folder'"]),
+    ({"mc_eval_path": "no/such/hellaswag_val.jsonl"}, ["multiple-choice file no/such/hellaswag_val.jsonl not found"]),
+    ({"mc_eval_path": "[a, b]"}, ["'mc_eval_path'", "must be str or dict or null"]),
     # an unprepared data_path of its own: the session's corpus may be prepared already
     ({"data_source": "no/such/*.txt", "data_path": "unprepared"}, ["data_source 'no/such/*.txt' matches no file"]),
 ])
