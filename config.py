@@ -41,7 +41,9 @@ LR_SCHEDULES = ("cosine", "wsd", "constant")
 DECAY_SHAPES = ("linear", "1-sqrt")
 # arch first: a checkpoint of the other layout is reported as that, not as its first consequence (bias)
 MODEL_SHAPE_KEYS = ("arch", "vocab_size", "block_size", "n_layer", "n_head", "n_embd", "bias", "n_kv_head",
-                    "rope_theta", "qk_norm", "tie_embeddings", "ffn_hidden", "norm_eps")
+                    "rope_theta", "qk_norm", "tie_embeddings", "ffn_hidden", "norm_eps", "mlp", "logit_softcap")
+MLPS = ("gelu", "swiglu", "relu2")
+MUON_COEFFICIENTS = ("quintic", "polar_express")
 ARCHS = ("gpt2", "llama")
 
 
@@ -69,8 +71,13 @@ class TrainConfig:
     qk_norm: bool = key(False, "llama: RMSNorm of each head's q and k (Qwen3; exports as Qwen3ForCausalLM)")
     tie_embeddings: bool | None = key(None, "LM head shares the token embedding; null: true for gpt2, false for "
                                             "llama")
-    ffn_hidden: int | None = key(None, "MLP width; null: 4 n_embd (gpt2), 8/3 n_embd rounded up to 256 (llama)")
+    ffn_hidden: int | None = key(None, "MLP width; null: 8/3 n_embd rounded up to 256 (swiglu), else 4 n_embd")
     norm_eps: float = key(1e-5, "epsilon of LayerNorm / RMSNorm")
+    mlp: str | None = key(None, "the MLP: gelu, swiglu (gated) or relu2 (relu(x)^2); null: gelu for gpt2, swiglu "
+                                "for llama")
+    logit_softcap: float | None = key(None, "squash logits into (-cap, cap) with cap * tanh(logits / cap); null: "
+                                            "off")
+    zero_init_proj: bool = key(False, "attention and MLP output projections start at zero")
     init_from: str | None = key(None, "a Hugging Face folder (GPT-2, Llama, Qwen3 safetensors) to start from "
                                       "instead of the seed's weights")
     data_path: str = key("data/stdlib_bytes", "prepared data (train.bin, val.bin, meta.json: data.py prepare), or "
@@ -87,6 +94,9 @@ class TrainConfig:
                                "ranks)")
     optimizer: str = key("adamw", "adamw, or muon (Muon for the blocks' matrices, AdamW for the rest)")
     muon_momentum: float = key(0.95, "muon: momentum of the matrices (Nesterov)")
+    muon_coefficients: str = key("quintic", "muon: the orthogonalisation's polynomials, quintic (Keller Jordan's) "
+                                            "or polar_express (one per iteration)")
+    cautious_weight_decay: bool = key(False, "muon: decay a matrix weight only where its update has the same sign")
     learning_rate: float = key(6e-4, "peak learning rate (Muon's updates are scaled to AdamW's RMS: one rate)")
     min_lr: float = key(6e-5, "learning rate at the end of the decay")
     warmup_iters: int = key(2000, "steps of linear warmup from 0 to learning_rate")
@@ -290,6 +300,11 @@ def validate(cfg: TrainConfig) -> None:
                 f"head dimension n_embd / n_head = {cfg.n_embd // cfg.n_head} must be even for RoPE")
     require(cfg.rope_theta > 0, f"rope_theta must be positive, got {cfg.rope_theta}")
     require(cfg.ffn_hidden is None or cfg.ffn_hidden > 0, f"ffn_hidden must be positive, got {cfg.ffn_hidden}")
+    require(cfg.mlp is None or cfg.mlp in MLPS, f"mlp '{cfg.mlp}' is not one of {', '.join(MLPS)}")
+    require(cfg.logit_softcap is None or cfg.logit_softcap > 0,
+            f"logit_softcap must be positive (or null: off), got {cfg.logit_softcap}")
+    require(cfg.muon_coefficients in MUON_COEFFICIENTS,
+            f"muon_coefficients '{cfg.muon_coefficients}' is not one of {', '.join(MUON_COEFFICIENTS)}")
     if cfg.tie_embeddings is None:
         cfg.tie_embeddings = cfg.arch == "gpt2"
     require(cfg.train_batch % cfg.micro_batch == 0,

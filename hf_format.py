@@ -30,18 +30,32 @@ def hf_architecture(cfg: GPTConfig) -> str:
     return "Qwen3ForCausalLM" if cfg.qk_norm else "LlamaForCausalLM"
 
 
+# (arch, mlp) -> the activation Hugging Face's model names: the pairs it can express (its Llama and
+# Qwen3 MLPs are always gated, GPT-2's never)
+HF_ACTIVATIONS = {("gpt2", "gelu"): "gelu_new", ("gpt2", "relu2"): "relu2", ("llama", "swiglu"): "silu"}
+
+
 def hf_config(cfg: GPTConfig, eot: int | None) -> dict:
-    """config.json's keys for our model."""
+    """config.json's keys for our model; a model Hugging Face's classes would compute differently
+    is refused, naming the key, rather than exported wrong."""
+    if cfg.logit_softcap:
+        raise UserError(f"logit_softcap: {cfg.logit_softcap}: {hf_architecture(cfg)} has no logit soft cap, so "
+                        f"an export would compute other logits")
+    if (cfg.arch, cfg.mlp) not in HF_ACTIVATIONS:
+        raise UserError(f"mlp: {cfg.mlp} with arch: {cfg.arch}: {hf_architecture(cfg)}'s MLP is "
+                        f"{'gated (SwiGLU)' if cfg.arch == 'llama' else 'not gated'}, so an export would compute "
+                        f"other logits")
+    activation = HF_ACTIVATIONS[cfg.arch, cfg.mlp]
     if cfg.arch == "gpt2":
         return dict(model_type="gpt2", vocab_size=cfg.vocab_size, n_positions=cfg.block_size, n_embd=cfg.n_embd,
-                    n_layer=cfg.n_layer, n_head=cfg.n_head, n_inner=cfg.ffn_hidden, activation_function="gelu_new",
+                    n_layer=cfg.n_layer, n_head=cfg.n_head, n_inner=cfg.ffn_hidden, activation_function=activation,
                     layer_norm_epsilon=cfg.norm_eps, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                     tie_word_embeddings=True, bos_token_id=eot, eos_token_id=eot)
     return dict(model_type="qwen3" if cfg.qk_norm else "llama", vocab_size=cfg.vocab_size, hidden_size=cfg.n_embd,
                 intermediate_size=cfg.ffn_hidden, num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head,
                 num_key_value_heads=cfg.n_kv_head, head_dim=cfg.head_dim, max_position_embeddings=cfg.block_size,
                 rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_embeddings,
-                hidden_act="silu", attention_bias=False, mlp_bias=False, bos_token_id=eot, eos_token_id=eot)
+                hidden_act=activation, attention_bias=False, mlp_bias=False, bos_token_id=eot, eos_token_id=eot)
 
 
 def to_hf(state: dict, cfg: GPTConfig) -> dict:
@@ -118,12 +132,17 @@ def read_hf_folder(folder: str) -> tuple[dict, dict]:
     return keys, state
 
 
+GPT2_MLPS = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "relu2": "relu2"}  # GPT-2's activations built here
+
+
 def _gpt2_keys(config: dict, folder: str) -> dict:
-    if config.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
-        raise UserError(f"init_from: {folder}/ uses activation {config['activation_function']}; GPT-2's is gelu_new")
-    return dict(arch="gpt2", vocab_size=config["vocab_size"], block_size=config["n_positions"], n_layer=config["n_layer"],
-                n_head=config["n_head"], n_embd=config["n_embd"], bias=True,
-                ffn_hidden=config.get("n_inner") or 4 * config["n_embd"], norm_eps=config.get("layer_norm_epsilon", 1e-5),
+    activation = config.get("activation_function", "gelu_new")
+    if activation not in GPT2_MLPS:
+        raise UserError(f"init_from: {folder}/ uses activation {activation}; built here: {', '.join(GPT2_MLPS)}")
+    return dict(arch="gpt2", mlp=GPT2_MLPS[activation], vocab_size=config["vocab_size"],
+                block_size=config["n_positions"], n_layer=config["n_layer"], n_head=config["n_head"],
+                n_embd=config["n_embd"], bias=True, ffn_hidden=config.get("n_inner") or 4 * config["n_embd"],
+                norm_eps=config.get("layer_norm_epsilon", 1e-5),
                 tie_embeddings=config.get("tie_word_embeddings", True))
 
 

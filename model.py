@@ -5,7 +5,8 @@ token embedding; maps one to one onto Hugging Face's GPT2LMHeadModel.
 arch "llama": RMSNorm, rotary positions (RoPE, the rotate_half convention), SwiGLU MLP,
 grouped-query attention, no biases, optionally RMSNorm of q and k per head (qk_norm); maps
 onto LlamaForCausalLM (Qwen3ForCausalLM with qk_norm).
-The two share one attention, one block and one model: the options are in GPTConfig.
+The two share one attention, one block and one model: the options are in GPTConfig, the
+speedrun recipe's among them (a ReLU^2 MLP, logit soft-capping, zero-initialised projections).
 """
 import math
 from dataclasses import dataclass
@@ -30,15 +31,19 @@ class GPTConfig:
     rope_theta: float = 10000.0
     qk_norm: bool = False
     tie_embeddings: bool = True
-    ffn_hidden: int | None = None  # None: 4 n_embd (gpt2); llama: 8/3 n_embd rounded up to 256
+    ffn_hidden: int | None = None  # None: 4 n_embd (gpt2, relu2); swiglu: 8/3 n_embd rounded up to 256
     norm_eps: float = 1e-5
+    mlp: str | None = None  # None: the arch's (gelu for gpt2, swiglu for llama); relu2: relu(x)^2, ungated
+    logit_softcap: float | None = None  # logits squashed into (-cap, cap) by cap * tanh(logits / cap)
+    zero_init_proj: bool = False  # output projections start at zero: each block starts as the identity
 
     def __post_init__(self):
         self.n_kv_head = self.n_kv_head or self.n_head
         if self.arch == "llama":
             self.bias = False
+        self.mlp = self.mlp or ("gelu" if self.arch == "gpt2" else "swiglu")
         if self.ffn_hidden is None:
-            self.ffn_hidden = 4 * self.n_embd if self.arch == "gpt2" else 256 * -(-(8 * self.n_embd // 3) // 256)
+            self.ffn_hidden = 256 * -(-(8 * self.n_embd // 3) // 256) if self.mlp == "swiglu" else 4 * self.n_embd
 
     @property
     def head_dim(self) -> int:
@@ -112,21 +117,29 @@ class CausalSelfAttention(nn.Module):
         return self.resid_dropout(self.c_proj(y))
 
 
+def swiglu(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+# the MLP's nonlinearity, applied to c_fc's output, and how many ffn_hidden-wide outputs c_fc has
+ACTIVATIONS = {
+    "gelu": (lambda x: F.gelu(x, approximate="tanh"), 1),  # tanh GELU is GPT-2's "gelu_new": exports alike
+    "swiglu": (swiglu, 2),  # gate and up projections in one matmul
+    "relu2": (lambda x: F.relu(x).square(), 1),  # modded-nanogpt's, from Primer (arXiv:2109.08668)
+}
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.swiglu = cfg.arch == "llama"
-        # SwiGLU: gate and up projections in one matmul
-        self.c_fc = nn.Linear(cfg.n_embd, (2 if self.swiglu else 1) * cfg.ffn_hidden, bias=cfg.bias)
+        self.activation, outputs = ACTIVATIONS[cfg.mlp]
+        self.c_fc = nn.Linear(cfg.n_embd, outputs * cfg.ffn_hidden, bias=cfg.bias)
         self.c_proj = nn.Linear(cfg.ffn_hidden, cfg.n_embd, bias=cfg.bias)
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.swiglu:
-            gate, up = self.c_fc(x).chunk(2, dim=-1)
-            return self.dropout(self.c_proj(F.silu(gate) * up))
-        # tanh GELU is GPT-2's "gelu_new": keeps exported logits identical
-        return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))
+        return self.dropout(self.c_proj(self.activation(self.c_fc(x))))
 
 
 class DecoderBlock(nn.Module):
@@ -167,10 +180,12 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """GPT-2 initialisation; residual projections scaled by 1/sqrt(2 * n_layer)."""
+        """GPT-2 initialisation; residual projections scaled by 1/sqrt(2 * n_layer), or zero
+        (zero_init_proj: every block starts as the identity, as in modded-nanogpt)."""
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * self.config.n_layer))
+                std = 0.0 if self.config.zero_init_proj else 0.02 / math.sqrt(2 * self.config.n_layer)
+                nn.init.normal_(p, mean=0.0, std=std)
             elif p.dim() >= 2:
                 nn.init.normal_(p, mean=0.0, std=0.02)
             elif ".ln_" in name or name.startswith("ln_"):
@@ -195,6 +210,9 @@ class GPT(nn.Module):
             else:
                 x = block(x, rope)
         logits = self.lm_head(self.ln_f(x))
+        if self.config.logit_softcap:  # Gemma 2's soft cap: large logits can't run away
+            cap = self.config.logit_softcap
+            logits = cap * torch.tanh(logits / cap)
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())

@@ -22,20 +22,32 @@ from torch.optim.adamw import adamw
 from ckpt_format import dim0_shard
 from compat import all_gather_flat
 
-NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # a quintic with the steepest slope at 0 (Keller Jordan)
-NS_STEPS = 5
+# muon_coefficients: each iteration's (a, b, c) of x <- a x + (b G + c G^2) x, G = x x^T, and the
+# margin the start's norm leaves below 1
+NS_COEFFICIENTS = {
+    # Keller Jordan's quintic, the same each time: the steepest slope at 0
+    "quintic": ([(3.4445, -4.7750, 2.0315)] * 5, 1.0),
+    # Polar Express (Amsel, Persson, Musco, Gower; arXiv:2505.16932): a polynomial per iteration,
+    # optimal for 5 iterations with a 2% margin, as modded-nanogpt uses them
+    "polar_express": ([(8.156554524902461, -22.48329292557795, 15.878769915207462),
+                       (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+                       (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+                       (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+                       (2.3465413258596377, -1.7097828382687081, 0.42323551169305323)], 1.02),
+}
+NS_STEPS = 5  # iterations of every set
 
 
-def orthogonalise(g: torch.Tensor) -> torch.Tensor:
+def orthogonalise(g: torch.Tensor, coefficients: str = "quintic") -> torch.Tensor:
     """About U V^T for g = U S V^T (the singular values end up near 1, not at it).
     bf16 on GPU (tensor cores); fp32 on CPU, where bf16 matmuls are slow."""
-    a, b, c = NS_COEFFICIENTS
+    steps, margin = NS_COEFFICIENTS[coefficients]
     x = g.to(torch.bfloat16 if g.is_cuda else torch.float32)
     tall = x.shape[0] > x.shape[1]
     if tall:  # iterate on the smaller Gram matrix
         x = x.T
-    x = x / (x.norm() + 1e-7)  # spectral norm <= Frobenius norm <= 1: inside the iteration's basin
-    for _ in range(NS_STEPS):
+    x = x / (x.norm() * margin + 1e-7)  # spectral norm <= Frobenius norm <= 1: inside the iteration's basin
+    for a, b, c in steps:
         gram = x @ x.T
         x = a * x + (b * gram + c * gram @ gram) @ x
     return (x.T if tall else x).to(g.dtype)
@@ -80,7 +92,8 @@ class MatrixExchange:
     and back), then the replicas exchange their shares' slices (an all-gather).
     """
 
-    def __init__(self, sample: torch.Tensor):
+    def __init__(self, sample: torch.Tensor, coefficients: str):
+        self.coefficients = coefficients
         self.shard_group = self.replica_group = None  # None: a group of one
         if isinstance(sample, DTensor):
             mesh = sample.device_mesh
@@ -112,7 +125,7 @@ class MatrixExchange:
         # the slices of matrix j to its owner, shard rank j: each owner receives its matrix whole
         counts = [self._rows(own, k) * own[1] for k in range(self.shards)] if own is not None else []
         received = self._all_to_all(slices, counts, like=slices[0])
-        whole = orthogonalise(received.view(own).to(device)).to(received.device) if own is not None else None
+        whole = orthogonalise(received.view(own).to(device), self.coefficients).to(received.device) if own is not None else None
         # and back: rank k receives its rows of every matrix of the share
         parts = [] if whole is None else list(whole.split([self._rows(own, k) for k in range(self.shards)]))
         rows = [self._rows(shape, self.shard_rank) for shape in shapes]
@@ -155,13 +168,17 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
     Muon groups: lr, weight_decay, momentum (Nesterov). AdamW groups: lr, weight_decay, betas, eps.
     `device`: where Newton-Schulz runs (the GPU, also when cpu_offload keeps the matrices on the host).
+    `coefficients`: NS_COEFFICIENTS' set. `cautious`: decay a matrix's weight only where its update
+    has the same sign, so where both pull it towards zero (cautious weight decay, arXiv:2510.12402,
+    as modded-nanogpt does). Both are the launched config's, not the checkpoint's param groups'.
     """
 
-    def __init__(self, groups: list[dict], lr: float, device: torch.device):
+    def __init__(self, groups: list[dict], lr: float, device: torch.device, coefficients: str = "quintic",
+                 cautious: bool = False):
         super().__init__(groups, dict(lr=lr, weight_decay=0.0))
-        self.device = device
+        self.device, self.cautious = device, cautious
         matrices = [p for g in self.param_groups if g["muon"] for p in g["params"]]
-        self.exchange = MatrixExchange(matrices[0])  # every GPT has block matrices
+        self.exchange = MatrixExchange(matrices[0], coefficients)  # every GPT has block matrices
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -203,8 +220,10 @@ class MuonWithAdamW(torch.optim.Optimizer):
             slices = updates[start:start + self.exchange.round]
             for (p, group), update in zip(batch, self.exchange.orthogonalised(slices, [p.shape for p, _ in batch], self.device)):
                 weight = _local(p)
-                new = torch.add(weight * (1 - group["lr"] * group["weight_decay"]), update,
-                                alpha=-group["lr"] * rms_matching_scale(p.shape))
+                decay = group["lr"] * group["weight_decay"]
+                if self.cautious:  # elementwise on this rank's rows: no communication
+                    decay = decay * (update * weight > 0)
+                new = torch.add(weight * (1 - decay), update, alpha=-group["lr"] * rms_matching_scale(p.shape))
                 _assign(weight, new, keep)
 
 

@@ -117,7 +117,8 @@ def muon_optimizer(cfg, gpt: GPT, device: torch.device) -> MuonWithAdamW:
     return MuonWithAdamW([
         dict(params=list(matrices.values()), muon=True, weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum),
         dict(params=[p for name, p in decay.items() if name not in matrices], weight_decay=cfg.weight_decay, **adamw),
-        dict(params=list(no_decay.values()), weight_decay=0.0, **adamw)], lr=cfg.learning_rate, device=device)
+        dict(params=list(no_decay.values()), weight_decay=0.0, **adamw)], lr=cfg.learning_rate, device=device,
+        coefficients=cfg.muon_coefficients, cautious=cfg.cautious_weight_decay)
 
 
 OPTIMIZERS = {"adamw": adamw_optimizer, "muon": muon_optimizer}
@@ -259,7 +260,7 @@ def train(cfg) -> None:
         if topo.is_main and truncated(items, cfg.block_size):
             print(f"note: {truncated(items, cfg.block_size)} of {len(items)} items of {name} are longer than block_size "
                   f"{cfg.block_size}: their contexts lose their start", flush=True)
-    gpt_cfg = GPTConfig(**cfg.model_shape, dropout=cfg.dropout)
+    gpt_cfg = GPTConfig(**cfg.model_shape, dropout=cfg.dropout, zero_init_proj=cfg.zero_init_proj)
     dtype = compute_dtype(cfg.dtype, device)
     if topo.is_main:
         print(to_yaml(cfg), end="")

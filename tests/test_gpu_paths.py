@@ -115,7 +115,7 @@ def test_val_loss_and_samples_compute_in_the_training_dtype(wrap, one_process_gr
     meta = prepare_data(corpus["data_path"], yaml.safe_load(corpus["data_source"]), "bytes")
     loader = BatchLoader({"data": (corpus["data_path"], meta)}, cfg.block_size, cfg.train_batch, cfg.micro_batch, 0, 1,
                          cfg.seed, topo.device)
-    train_fsdp.evaluate(model, gpt, loader, cfg, ByteTokenizer(), train_fsdp.forward_context(cfg, topo))
+    train_fsdp.evaluate(model, gpt, loader, cfg, ByteTokenizer(), {}, train_fsdp.forward_context(cfg, topo))
     assert seen and set(seen) == {torch.bfloat16}, seen
     assert len(seen) == 2 + 4  # two val micro-batches, four sampled tokens
 

@@ -2,6 +2,7 @@
 both ways, parity with one process, resumes, resharding, activation checkpointing and compile,
 export to Qwen3 with transformers' val loss equal to evaluate.py's, and init_from."""
 import math
+import re
 import os
 
 import pytest
@@ -28,6 +29,7 @@ def hf_model(cfg: GPTConfig, state: dict):
     dict(arch="llama", n_kv_head=2),  # LlamaForCausalLM, untied
     dict(arch="llama", n_kv_head=1, qk_norm=True, tie_embeddings=True, rope_theta=5e5),  # Qwen3ForCausalLM
     dict(arch="gpt2"),  # GPT2LMHeadModel
+    dict(arch="gpt2", mlp="relu2"),  # GPT2LMHeadModel with activation_function relu2
 ])
 def test_transformers_computes_the_same_logits_and_the_folder_reads_back(options, tmp_path):
     torch.manual_seed(0)
@@ -47,6 +49,18 @@ def test_transformers_computes_the_same_logits_and_the_folder_reads_back(options
         back = GPT(GPTConfig(**keys)).eval()
         back.load_state_dict(state)
         assert torch.equal(back(idx)[0], expected)
+
+
+@pytest.mark.parametrize("options, key", [
+    (dict(arch="llama", logit_softcap=30.0), "logit_softcap: 30.0: LlamaForCausalLM has no logit soft cap"),
+    (dict(arch="llama", mlp="relu2"), "mlp: relu2 with arch: llama: LlamaForCausalLM's MLP is gated (SwiGLU)"),
+    (dict(arch="llama", qk_norm=True, mlp="gelu"), "mlp: gelu with arch: llama: Qwen3ForCausalLM's MLP is gated"),
+    (dict(arch="gpt2", mlp="swiglu"), "mlp: swiglu with arch: gpt2: GPT2LMHeadModel's MLP is not gated"),
+])
+def test_what_hugging_face_cannot_express_is_refused_naming_the_key(options, key):
+    from config import UserError
+    with pytest.raises(UserError, match=re.escape(key)):
+        hf_config(GPTConfig(vocab_size=256, block_size=32, n_layer=1, n_head=4, n_embd=64, **options), eot=0)
 
 
 @pytest.fixture(scope="module")

@@ -30,6 +30,9 @@ def test_generate_is_deterministic_for_a_seed():
     dict(vocab_size=50304, block_size=1024, n_layer=12, n_head=10, n_embd=640),  # 90M
     dict(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768, arch="llama", n_kv_head=4,
          tie_embeddings=False, qk_norm=True),  # llama_124M's layout with GQA and qk_norm
+    dict(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768, arch="llama", n_kv_head=4,
+         tie_embeddings=False, qk_norm=True, mlp="relu2", logit_softcap=15.0, zero_init_proj=True),  # the recipe
+    dict(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=64, mlp="relu2", ffn_hidden=96),  # gpt2, relu2
 ])
 def test_flops_formula_matches_flop_counter(shape):
     with torch.device("meta"):
@@ -38,4 +41,21 @@ def test_flops_formula_matches_flop_counter(shape):
     with FlopCounterMode(display=False) as counter:
         model(idx, idx)[1].backward()
     counted_per_token = counter.get_total_flops() / shape["block_size"]
-    assert model.flops_per_token() == pytest.approx(counted_per_token, rel=0.05)
+    assert model.flops_per_token() == counted_per_token  # exactly: every matmul and attention product
+
+
+def test_the_recipes_model_parts():
+    torch.manual_seed(0)
+    shape = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    idx = torch.randint(0, 64, (2, 16))
+    relu2 = GPT(GPTConfig(**shape, mlp="relu2"))
+    mlp, x = relu2.blocks[0].mlp, torch.randn(2, 16, 32)
+    assert mlp.c_fc.out_features == 128 and torch.equal(mlp(x), mlp.c_proj(torch.relu(mlp.c_fc(x)) ** 2))
+    capped = GPT(GPTConfig(**shape, logit_softcap=2.0))
+    raw = GPT(GPTConfig(**shape))
+    raw.load_state_dict(capped.state_dict())
+    assert torch.allclose(capped(idx)[0], 2.0 * torch.tanh(raw(idx)[0] / 2.0)) and capped(idx)[0].abs().max() < 2.0
+    zero = GPT(GPTConfig(**shape, zero_init_proj=True))
+    assert all(p.abs().sum() == 0 for name, p in zero.named_parameters() if name.endswith("c_proj.weight"))
+    embedded = zero.wte(idx) + zero.wpe(torch.arange(16))
+    assert torch.equal(zero(idx)[0], zero.lm_head(zero.ln_f(embedded)))  # every block starts as the identity

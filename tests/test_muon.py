@@ -8,7 +8,7 @@ import torch
 
 import ckpt_format
 from config import TrainConfig
-from conftest import ROOT, checkpoint_of, launcher_once, run_trainer, scalars
+from conftest import ROOT, checkpoint_of, launch, launcher_once, run_trainer, scalars
 from muon import MuonWithAdamW, orthogonalise
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
@@ -44,15 +44,17 @@ def test_update_is_torch_muons_with_adamw_matched_rms(one_process_group):
         assert not torch.equal(a, w)
 
 
+@pytest.mark.parametrize("coefficients", ["quintic", "polar_express"])
 @pytest.mark.parametrize("shape", [(96, 32), (32, 96), (40, 40)])
-def test_orthogonalise_brings_singular_values_near_one(shape):
+def test_orthogonalise_brings_singular_values_near_one(shape, coefficients):
     torch.manual_seed(0)
     k = min(shape)
     u, _ = torch.linalg.qr(torch.randn(shape[0], k))
     v, _ = torch.linalg.qr(torch.randn(shape[1], k))
     g = u @ torch.diag(torch.logspace(-2, 0, k)) @ v.T  # singular values over two decades
-    s = torch.linalg.svdvals(orthogonalise(g))
-    assert 0.6 < s.min() and s.max() < 1.25, s
+    s = torch.linalg.svdvals(orthogonalise(g, coefficients))
+    low, high = {"quintic": (0.6, 1.25), "polar_express": (0.85, 1.15)}[coefficients]  # Polar Express: closer
+    assert low < s.min() and s.max() < high, s
 
 
 @pytest.fixture(scope="module")
@@ -79,8 +81,12 @@ LAYOUTS = {  # name: (ranks, settings)
 @pytest.mark.parametrize("layout", [pytest.param(name, marks=[pytest.mark.compat] if name == "OFFLOAD" else [])
                                     for name in LAYOUTS])
 def test_every_layout_matches_one_process(layout, runs):
+    assert_matches_one_process(runs, layout, LAYOUTS[layout])
+
+
+def assert_matches_one_process(runs, layout: str, ranks_and_settings: tuple) -> None:
     reference = logged(runs("one", 1))
-    nproc, settings = LAYOUTS[layout]
+    nproc, settings = ranks_and_settings
     got = logged(runs(layout, nproc, **settings))
     for tag, values in reference.items():
         assert sorted(got[tag]) == sorted(values)
@@ -143,3 +149,66 @@ def test_scale_plan_knows_muons_state(runs, corpus):
     index, planned = ckpt_format.read_marker(os.path.join(run_dir, "ckpt"), 6)["index"], plan.index()
     assert sorted(index) == sorted(planned)
     assert all(index[key][0] == planned[key][0] and torch.equal(index[key][1], planned[key][1]) for key in index)
+
+
+# ---- the speedrun recipe's parts (docs/recipe.md) under Muon's layouts ----
+# llama with a ReLU^2 MLP, soft-capped logits, zero-initialised projections and an untied head;
+# Polar Express and cautious weight decay. n_head 3: RoPE needs an even head_dim (66 / 3 = 22).
+RECIPE = dict(arch="llama", n_head=3, mlp="relu2", logit_softcap=15.0, zero_init_proj=True, tie_embeddings=False,
+              muon_coefficients="polar_express", cautious_weight_decay=True)
+RECIPE_LAYOUTS = {"FULL_SHARD": (4, dict(sharding_strategy="FULL_SHARD", checkpoint_type="sharded")),
+                  "HYBRID_SHARD": LAYOUTS["HYBRID_SHARD"], "DDP": LAYOUTS["DDP"]}
+
+
+@pytest.fixture(scope="module")
+def recipe_runs(corpus, tmp_path_factory):
+    return launcher_once(tmp_path_factory, "muon_recipe", **(MUON | RECIPE | corpus))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", RECIPE_LAYOUTS)
+def test_the_recipe_matches_one_process_under_every_layout(layout, recipe_runs):
+    assert_matches_one_process(recipe_runs, layout, RECIPE_LAYOUTS[layout])
+
+
+@pytest.mark.slow
+def test_the_recipe_resumes_bitwise_and_reshards(recipe_runs, corpus, tmp_path):
+    (tmp_path / "ddp").mkdir()
+    (tmp_path / "one").mkdir()
+    ddp = recipe_runs("DDP", *RECIPE_LAYOUTS["DDP"][:1], **RECIPE_LAYOUTS["DDP"][1])
+    run_trainer(str(tmp_path / "ddp"), nproc=3, resume_from=checkpoint_of(ddp, "full", 3),
+                **(MUON | RECIPE | corpus | RECIPE_LAYOUTS["DDP"][1]))
+    got, expected = logged(str(tmp_path / "ddp"))["train/loss"], logged(ddp)["train/loss"]
+    assert sorted(got) == [4, 5, 6] and all(got[s] == expected[s] for s in got), (got, expected)
+    sharded = recipe_runs("FULL_SHARD", *RECIPE_LAYOUTS["FULL_SHARD"][:1], **RECIPE_LAYOUTS["FULL_SHARD"][1])
+    run_trainer(str(tmp_path / "one"), resume_from=checkpoint_of(sharded, "sharded", 3, rank=0), **(MUON | RECIPE | corpus))
+    got, expected = logged(str(tmp_path / "one"))["train/loss"], logged(sharded)["train/loss"]
+    assert sorted(got) == [4, 5, 6] and all(got[s] == pytest.approx(expected[s], rel=1e-4) for s in got)
+
+
+@pytest.mark.slow
+def test_export_refuses_what_hugging_face_cannot_express(recipe_runs, tmp_path):
+    result = launch([os.path.join(ROOT, "export_hf.py"), checkpoint_of(recipe_runs("one", 1), "full", 6),
+                     str(tmp_path / "hf")], ROOT)
+    assert result.returncode == 2 and result.stderr.splitlines() == [
+        "error: logit_softcap: 15.0: LlamaForCausalLM has no logit soft cap, so an export would compute other logits"]
+    assert not (tmp_path / "hf").exists()
+
+
+def test_cautious_weight_decay_spares_weights_their_update_pulls_away_from_zero(one_process_group):
+    torch.manual_seed(0)
+    start, grad = torch.randn(32, 16), torch.randn(32, 16)
+    after = {}
+    for cautious in (False, True):
+        weight = start.clone().requires_grad_()
+        optimizer = MuonWithAdamW([dict(params=[weight], muon=True, weight_decay=0.5, momentum=0.95)], lr=0.1,
+                                  device=torch.device("cpu"), cautious=cautious)
+        weight.grad = grad.clone()
+        optimizer.step()
+        after[cautious] = weight.detach()
+    update = orthogonalise(grad)  # the first step's Nesterov momentum is the gradient itself
+    pulls_to_zero = update * start > 0
+    spared = after[True] - after[False]  # the decay plain weight decay took and cautious did not
+    assert torch.equal(spared[pulls_to_zero], torch.zeros_like(spared[pulls_to_zero]))
+    assert torch.allclose(spared[~pulls_to_zero], 0.1 * 0.5 * start[~pulls_to_zero], rtol=1e-5, atol=1e-7)
+    assert 0.3 < pulls_to_zero.float().mean() < 0.7
