@@ -41,7 +41,7 @@ LR_SCHEDULES = ("cosine", "wsd", "constant")
 DECAY_SHAPES = ("linear", "1-sqrt")
 # arch first: a checkpoint of the other layout is reported as that, not as its first consequence (bias)
 MODEL_SHAPE_KEYS = ("arch", "vocab_size", "block_size", "n_layer", "n_head", "n_embd", "bias", "n_kv_head",
-                    "rope_theta", "qk_norm", "tie_embeddings", "ffn_hidden", "norm_eps", "mlp", "logit_softcap")
+                    "rope_theta", "qk_norm", "tie_embeddings", "ffn_hidden", "norm_eps", "mlp", "logit_softcap", "value_embeds")
 MLPS = ("gelu", "swiglu", "relu2")
 MUON_COEFFICIENTS = ("quintic", "polar_express")
 ARCHS = ("gpt2", "llama")
@@ -78,6 +78,8 @@ class TrainConfig:
     logit_softcap: float | None = key(None, "squash logits into (-cap, cap) with cap * tanh(logits / cap); null: "
                                             "off")
     zero_init_proj: bool = key(False, "attention and MLP output projections start at zero")
+    value_embeds: int = key(0, "the first N blocks mix an embedding of the input tokens into attention's values "
+                               "(a vocab_size-row table each)")
     init_from: str | None = key(None, "a Hugging Face folder (GPT-2, Llama, Qwen3 safetensors) to start from "
                                       "instead of the seed's weights")
     data_path: str = key("data/stdlib_bytes", "prepared data (train.bin, val.bin, meta.json: data.py prepare), or "
@@ -89,6 +91,8 @@ class TrainConfig:
     data_mix: dict | None = key(None, "a mixture {name: prepared folder, ...} instead of data_path and data_source "
                                       "(docs/data.md)")
     data_weights: dict | None = key(None, "the mixture's proportions {name: weight, ...}; null: equal")
+    align_rows: bool = key(False, "every train row starts at a document's separator token (BOS-aligned); longer "
+                                  "documents are cropped to a row")
     train_batch: int = key(480, "sequences per optimizer step, GLOBAL: split over the data-parallel ranks")
     micro_batch: int = key(12, "sequences per rank per forward; accumulation = train_batch / (micro_batch x "
                                "ranks)")
@@ -300,6 +304,7 @@ def validate(cfg: TrainConfig) -> None:
                 f"head dimension n_embd / n_head = {cfg.n_embd // cfg.n_head} must be even for RoPE")
     require(cfg.rope_theta > 0, f"rope_theta must be positive, got {cfg.rope_theta}")
     require(cfg.ffn_hidden is None or cfg.ffn_hidden > 0, f"ffn_hidden must be positive, got {cfg.ffn_hidden}")
+    require(0 <= cfg.value_embeds <= cfg.n_layer, f"value_embeds must be 0 to n_layer={cfg.n_layer}, got {cfg.value_embeds}")
     require(cfg.mlp is None or cfg.mlp in MLPS, f"mlp '{cfg.mlp}' is not one of {', '.join(MLPS)}")
     require(cfg.logit_softcap is None or cfg.logit_softcap > 0,
             f"logit_softcap must be positive (or null: off), got {cfg.logit_softcap}")

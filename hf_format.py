@@ -41,6 +41,9 @@ def hf_config(cfg: GPTConfig, eot: int | None) -> dict:
     if cfg.logit_softcap:
         raise UserError(f"logit_softcap: {cfg.logit_softcap}: {hf_architecture(cfg)} has no logit soft cap, so "
                         f"an export would compute other logits")
+    if cfg.value_embeds:
+        raise UserError(f"value_embeds: {cfg.value_embeds}: {hf_architecture(cfg)} has no value embeddings, so an "
+                        f"export would compute other logits")
     if (cfg.arch, cfg.mlp) not in HF_ACTIVATIONS:
         raise UserError(f"mlp: {cfg.mlp} with arch: {cfg.arch}: {hf_architecture(cfg)}'s MLP is "
                         f"{'gated (SwiGLU)' if cfg.arch == 'llama' else 'not gated'}, so an export would compute "

@@ -43,15 +43,40 @@ def open_split(data_path: str, meta: dict, split: str) -> TokenStream:
     return TokenStream([np.memmap(os.path.join(data_path, f"{split}.bin"), dtype=np.dtype(meta["dtype"]), mode="r")])
 
 
+SCAN_TOKENS = 1 << 24  # tokens compared at a time when looking for separators: bounded memory
+
+
+def document_starts(tokens: TokenStream, separator: int, block_size: int) -> np.ndarray:
+    """align_rows: the offsets of the separator tokens a whole row (block_size + 1 tokens) fits after.
+    A row starting there begins with the separator, then a document's first token: prepared data
+    ends each document with it, llm.c's shards begin each one with it (BOS-aligned rows)."""
+    found = [np.flatnonzero(array[i:i + SCAN_TOKENS] == separator) + offset + i
+             for offset, array in zip(tokens.offsets, tokens.arrays) for i in range(0, len(array), SCAN_TOKENS)]
+    starts = np.concatenate(found).astype(np.int64)
+    starts = starts[starts + block_size + 1 <= len(tokens)]
+    if not len(starts):
+        raise UserError(f"align_rows: no document separator (token {separator}) with a whole row after it")
+    return starts
+
+
+def never_read(starts: np.ndarray, total: int, block_size: int) -> int:
+    """Tokens no aligned row reaches: those more than block_size past their document's start (cropped)."""
+    ends = np.append(starts[1:], total)
+    return int(starts[0] + np.maximum(ends - starts - (block_size + 1), 0).sum())
+
+
 class RandomWindows:
     """One dataset (data_path): step s's rows start at train_batch offsets drawn anywhere in the train
-    tokens by a generator seeded with (seed, s), with replacement (nanoGPT's sampling)."""
+    tokens by a generator seeded with (seed, s), with replacement (nanoGPT's sampling); with
+    align_rows, drawn among the document starts instead."""
 
-    def __init__(self, tokens: int, seed: int, train_batch: int):
-        self.tokens, self.seed, self.train_batch = tokens, seed, train_batch
+    def __init__(self, tokens: int, seed: int, train_batch: int, starts: np.ndarray | None = None):
+        self.tokens, self.seed, self.train_batch, self.starts = tokens, seed, train_batch, starts
 
     def rows(self, step: int, block_size: int) -> tuple[np.ndarray, np.ndarray]:
-        starts = np.random.default_rng([self.seed, step]).integers(0, self.tokens - block_size - 1, size=self.train_batch)
+        draw = np.random.default_rng([self.seed, step]).integers
+        starts = draw(0, self.tokens - block_size - 1, size=self.train_batch) if self.starts is None else \
+            self.starts[draw(0, len(self.starts), size=self.train_batch)]
         return np.zeros(self.train_batch, dtype=np.int64), starts
 
 
@@ -68,7 +93,8 @@ class BatchLoader:
     """
 
     def __init__(self, sources: dict[str, tuple[str, dict]], block_size: int, train_batch: int, micro_batch: int,
-                 dp_rank: int, dp_size: int, seed: int, device: torch.device, segment: Segment | None = None):
+                 dp_rank: int, dp_size: int, seed: int, device: torch.device, segment: Segment | None = None,
+                 align_rows: bool = False):
         self.block_size, self.train_batch, self.micro_batch = block_size, train_batch, micro_batch
         self.dp_rank, self.dp_size, self.seed, self.device = dp_rank, dp_size, seed, device
         self.names = list(sources)
@@ -80,9 +106,13 @@ class BatchLoader:
                     raise UserError(f"the {split} split of {path} holds {len(tokens)} tokens, fewer than "
                                     f"block_size+1={block_size + 1}")
         train = self.splits["train"]
-        self.mixture = None if segment is None else Mixture(
-            self.names, [(len(tokens) - 1) // block_size for tokens in train], segment, seed, train_batch)
-        self.sampler = self.mixture or RandomWindows(len(train[0]), seed, train_batch)
+        # align_rows: each source's rows start at its documents (a window per document), else anywhere
+        self.starts = [document_starts(tokens, meta["eot_token"], block_size) if align_rows else None
+                       for tokens, (_, meta) in zip(train, sources.values())]
+        self.mixture = None if segment is None else Mixture(self.names, [
+            (len(tokens) - 1) // block_size if starts is None else len(starts) for tokens, starts in zip(train, self.starts)
+        ], segment, seed, train_batch, self.starts)
+        self.sampler = self.mixture or RandomWindows(len(train[0]), seed, train_batch, self.starts[0])
         self.val_weights = [1.0] if segment is None else [segment.weights[name] for name in self.names]
         # on GPU the next micro-batch is copied on a side stream while the current one computes;
         # on CPU there is no copy to hide and batches are built when asked for
@@ -163,6 +193,11 @@ class BatchLoader:
                 ids = np.concatenate([ids, np.zeros(self.micro_batch - len(ids), dtype=ids.dtype)])
                 x, y = self._rows("val", (np.full(len(ids), k), ids * self.block_size))
                 yield k, x, y, weight.to(x.device)
+
+    def cropped(self) -> dict[str, float]:
+        """align_rows: each source's share of train tokens no row reads."""
+        return {name: never_read(starts, len(tokens), self.block_size) / len(tokens)
+                for name, starts, tokens in zip(self.names, self.starts, self.splits["train"]) if starts is not None}
 
     def read(self, step: int) -> dict[str, float]:
         """A mixture's progress after step `step` for TensorBoard: data/{name}/epoch and /tokens."""

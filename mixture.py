@@ -83,8 +83,11 @@ def shuffled(index: np.ndarray, size: int, key: list[int]) -> np.ndarray:
 class Mixture:
     """The rows of a run drawn from several sources (names in data_mix's order)."""
 
-    def __init__(self, names: list[str], windows: list[int], segment: Segment, seed: int, train_batch: int):
-        self.names, self.windows, self.segment = names, np.array(windows, dtype=np.int64), segment
+    def __init__(self, names: list[str], windows: list[int], segment: Segment, seed: int, train_batch: int,
+                 starts: list[np.ndarray | None]):
+        """windows: each source's windows per epoch; starts: their offsets where they are documents
+        (align_rows), None where window w starts at w * block_size."""
+        self.names, self.windows, self.segment, self.starts = names, np.array(windows, dtype=np.int64), segment, starts
         self.seed, self.train_batch = seed, train_batch
         self.counts, self.pattern, self.prefix = cycle([segment.weights[name] for name in names])
         self.base = np.array([segment.base.get(name, 0) for name in names], dtype=np.int64)
@@ -106,7 +109,11 @@ class Mixture:
         for k, epoch in set(zip(sources.tolist(), epochs.tolist())):
             at = (sources == k) & (epochs == epoch)
             windows[at] = shuffled(within[at], int(self.windows[k]), [self.seed, zlib.crc32(self.names[k].encode()), epoch])
-        return sources, windows * block_size
+        offsets = windows * block_size
+        for k, starts in enumerate(self.starts):
+            if starts is not None:
+                offsets[sources == k] = starts[windows[sources == k]]
+        return sources, offsets
 
     def supplied(self, step: int) -> dict[str, int]:
         """Rows each source has supplied in steps 1..step."""

@@ -36,6 +36,7 @@ class GPTConfig:
     mlp: str | None = None  # None: the arch's (gelu for gpt2, swiglu for llama); relu2: relu(x)^2, ungated
     logit_softcap: float | None = None  # logits squashed into (-cap, cap) by cap * tanh(logits / cap)
     zero_init_proj: bool = False  # output projections start at zero: each block starts as the identity
+    value_embeds: int = 0  # the first value_embeds blocks add an embedding of the input tokens to attention's v
 
     def __post_init__(self):
         self.n_kv_head = self.n_kv_head or self.n_head
@@ -85,7 +86,7 @@ def sdpa_takes_gqa(q: torch.Tensor) -> bool:
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, layer: int):
         super().__init__()
         self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, cfg.head_dim
         # q, k, v in one matmul: n_head query heads, n_kv_head key and value heads
@@ -93,12 +94,18 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         if cfg.qk_norm:  # Qwen3: RMSNorm of each head's q and k, before the rotation
             self.ln_q, self.ln_k = norm(cfg, cfg.head_dim), norm(cfg, cfg.head_dim)
+        if layer < cfg.value_embeds:  # modded-nanogpt's value embeddings: v mixed with a token embedding
+            self.value_embed = nn.Embedding(cfg.vocab_size, cfg.n_kv_head * cfg.head_dim)
+            self.value_mix = nn.Parameter(torch.empty(2))  # the weights of v and of the embedding
         self.dropout = cfg.dropout
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                idx: torch.Tensor | None = None) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split([self.n_head * self.head_dim] + [self.n_kv_head * self.head_dim] * 2, dim=2)
+        if hasattr(self, "value_embed"):
+            v = self.value_mix[0] * v + self.value_mix[1] * self.value_embed(idx)
         # (B, T, heads * head_dim) -> (B, heads, T, head_dim)
         q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         k, v = (t.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2) for t in (k, v))
@@ -143,15 +150,17 @@ class MLP(nn.Module):
 
 
 class DecoderBlock(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, layer: int = 0):
         super().__init__()
         self.ln_1 = norm(cfg, cfg.n_embd)
-        self.attn = CausalSelfAttention(cfg)
+        self.attn = CausalSelfAttention(cfg, layer)
         self.ln_2 = norm(cfg, cfg.n_embd)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), rope)
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                idx: torch.Tensor | None = None) -> torch.Tensor:
+        """idx: the input tokens, for the value embeddings of the first value_embeds blocks."""
+        x = x + self.attn(self.ln_1(x), rope, idx)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -163,7 +172,7 @@ class GPT(nn.Module):
         if cfg.arch == "gpt2":  # learned positions; llama rotates q and k instead
             self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(DecoderBlock(cfg) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(DecoderBlock(cfg, layer) for layer in range(cfg.n_layer))
         self.ln_f = norm(cfg, cfg.n_embd)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.tie_weights()
@@ -190,6 +199,8 @@ class GPT(nn.Module):
                 nn.init.normal_(p, mean=0.0, std=0.02)
             elif ".ln_" in name or name.startswith("ln_"):
                 nn.init.ones_(p) if name.endswith("weight") else nn.init.zeros_(p)
+            elif name.endswith("value_mix"):
+                nn.init.constant_(p, 0.5)  # half v, half the embedding (modded-nanogpt's start)
             else:
                 nn.init.zeros_(p)
 
@@ -206,9 +217,9 @@ class GPT(nn.Module):
         x = self.drop(x)
         for block in self.blocks:
             if self.activation_checkpointing and self.training:
-                x = checkpoint(block, x, rope, use_reentrant=False)
+                x = checkpoint(block, x, rope, idx, use_reentrant=False)
             else:
-                x = block(x, rope)
+                x = block(x, rope, idx)
         logits = self.lm_head(self.ln_f(x))
         if self.config.logit_softcap:  # Gemma 2's soft cap: large logits can't run away
             cap = self.config.logit_softcap

@@ -54,8 +54,9 @@ def orthogonalise(g: torch.Tensor, coefficients: str = "quintic") -> torch.Tenso
 
 
 def is_muon_matrix(name: str, shape: torch.Size) -> bool:
-    """Muon's parameters: the 2-D weights inside the DecoderBlocks (named as model.GPT names them)."""
-    return name.startswith("blocks.") and len(shape) == 2
+    """Muon's parameters: the 2-D weights inside the DecoderBlocks (named as model.GPT names them),
+    the value embeddings' tables excepted: embeddings take AdamW."""
+    return name.startswith("blocks.") and len(shape) == 2 and ".value_embed." not in name
 
 
 def newton_schulz_flops(shape: torch.Size) -> int:

@@ -93,10 +93,10 @@ def build_model(cfg, gpt_cfg: GPTConfig, topo: Topology) -> torch.nn.Module:
 
 def parameter_groups(gpt: GPT) -> tuple[dict, dict]:
     """{name: parameter} with weight decay (matmul and embedding weights), and without (biases,
-    LayerNorm parameters)."""
+    norms' weights, value_mix: every 1-D parameter)."""
     decay, no_decay = {}, {}
     for name, p in gpt.named_parameters():
-        (no_decay if name.endswith("bias") or ".ln_" in name or "ln_f" in name else decay)[name] = p
+        (no_decay if p.dim() < 2 else decay)[name] = p
     return decay, no_decay
 
 
@@ -227,8 +227,12 @@ def open_loader(cfg, sources: dict, topo: Topology, train_state: dict, step: int
                                         step, cfg.train_batch)
         if note and topo.is_main:
             print(f"note: {note}", flush=True)
-    return BatchLoader(sources, cfg.block_size, cfg.train_batch, cfg.micro_batch, topo.rank, topo.world_size, cfg.seed,
-                       topo.device, segment)
+    loader = BatchLoader(sources, cfg.block_size, cfg.train_batch, cfg.micro_batch, topo.rank, topo.world_size,
+                         cfg.seed, topo.device, segment, cfg.align_rows)
+    if topo.is_main and cfg.align_rows:
+        cropped = ", ".join(f"{name} {share:.1%}" for name, share in loader.cropped().items())
+        print(f"note: align_rows: rows start at documents; train tokens never read (cropped): {cropped}", flush=True)
+    return loader
 
 
 def data_state(loader: BatchLoader, step: int) -> dict:

@@ -114,3 +114,34 @@ def test_one_ahead_loading_yields_the_same_batches_and_reads_each_once(tmp_path)
     # 5 steps of 2 micro-batches, one read ahead at the end, one wasted by the jump from 3 to 7
     assert len(reads) == 5 * 2 + 1 + 1
     assert ahead._ahead[0] == (9, 0)
+
+
+def test_document_starts_and_the_tokens_cropping_drops():
+    from loader import TokenStream, document_starts, never_read
+    # two files read as one stream: separators (0) at offsets 2, 9 and 12; a row of block_size 2 needs 3 tokens
+    stream = TokenStream([np.array([1, 1, 0, 1, 1, 1, 1, 1, 1]), np.array([0, 1, 1, 0, 1])])
+    starts = document_starts(stream, 0, 2)
+    assert starts.tolist() == [2, 9]  # 12: no whole row after it
+    assert never_read(starts, len(stream), 2) == 2 + (9 - 2 - 3) + (14 - 9 - 3)
+    with pytest.raises(UserError, match="align_rows: no document separator \\(token 7\\)"):
+        document_starts(stream, 7, 2)
+
+
+@pytest.mark.parametrize("mixture", [False, True])
+def test_aligned_rows_start_at_documents_and_depend_on_seed_and_step_alone(mixture, tmp_path):
+    from mixture import Segment
+    meta = data.prepare_data(str(tmp_path / "d"), str(write_corpus(tmp_path / "src")), "bytes")
+    sources = {"a": (str(tmp_path / "d"), meta)} | ({"b": (str(tmp_path / "d"), meta)} if mixture else {})
+    segment = Segment(0, {"a": 0.5, "b": 0.5}, {}) if mixture else None
+
+    def global_aligned(step, dp_size, micro):
+        loaders = [BatchLoader(sources, 16, 8, micro, rank, dp_size, 3, torch.device("cpu"), segment, align_rows=True)
+                   for rank in range(dp_size)]
+        return torch.cat([x for loader in loaders for x, _ in loader.micro_batches(step)])
+
+    reference = global_aligned(5, 1, 8)
+    assert (reference[:, 0] == 0).all()  # each row starts at a separator (bytes: 0), then a document
+    assert all(bytes(row[1:10].tolist()) == b"document " for row in reference)
+    for dp_size, micro in ((2, 1), (4, 2)):
+        assert torch.equal(global_aligned(5, dp_size, micro), reference)
+    assert not torch.equal(global_aligned(6, 1, 8), reference)

@@ -38,7 +38,7 @@ def test_every_cycle_of_rows_holds_each_source_exactly(weights):
 def mixture(weights=(0.75, 0.25), windows=(50, 13), segment=None, seed=3, batch=8):
     names = ["web", "code"]
     segment = segment or Segment(0, dict(zip(names, weights)), {name: 0 for name in names})
-    return Mixture(names, list(windows), segment, seed, batch)
+    return Mixture(names, list(windows), segment, seed, batch, [None] * len(names))
 
 
 def test_rows_read_each_window_once_per_epoch_in_a_new_order_each_epoch():

@@ -31,7 +31,7 @@ def test_generate_is_deterministic_for_a_seed():
     dict(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768, arch="llama", n_kv_head=4,
          tie_embeddings=False, qk_norm=True),  # llama_124M's layout with GQA and qk_norm
     dict(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768, arch="llama", n_kv_head=4,
-         tie_embeddings=False, qk_norm=True, mlp="relu2", logit_softcap=15.0, zero_init_proj=True),  # the recipe
+         tie_embeddings=False, qk_norm=True, mlp="relu2", logit_softcap=15.0, zero_init_proj=True, value_embeds=3),  # recipe
     dict(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=64, mlp="relu2", ffn_hidden=96),  # gpt2, relu2
 ])
 def test_flops_formula_matches_flop_counter(shape):
@@ -59,3 +59,15 @@ def test_the_recipes_model_parts():
     assert all(p.abs().sum() == 0 for name, p in zero.named_parameters() if name.endswith("c_proj.weight"))
     embedded = zero.wte(idx) + zero.wpe(torch.arange(16))
     assert torch.equal(zero(idx)[0], zero.lm_head(zero.ln_f(embedded)))  # every block starts as the identity
+
+    valued = GPT(GPTConfig(**shape, value_embeds=1))
+    first, second = (block.attn for block in valued.blocks)
+    assert first.value_embed.weight.shape == (64, 32) and not hasattr(second, "value_embed")
+    assert first.value_mix.tolist() == [0.5, 0.5]
+    plain = GPT(GPTConfig(**shape))
+    plain.load_state_dict({k: v for k, v in valued.state_dict().items() if ".value_" not in k})
+    with torch.no_grad():
+        first.value_mix.copy_(torch.tensor([1.0, 0.0]))  # v alone: the plain model
+        assert torch.equal(valued(idx)[0], plain(idx)[0])
+        first.value_mix.copy_(torch.tensor([1.0, 1.0]))
+        assert not torch.allclose(valued(idx)[0], plain(idx)[0])

@@ -152,10 +152,11 @@ def test_scale_plan_knows_muons_state(runs, corpus):
 
 
 # ---- the speedrun recipe's parts (docs/recipe.md) under Muon's layouts ----
-# llama with a ReLU^2 MLP, soft-capped logits, zero-initialised projections and an untied head;
-# Polar Express and cautious weight decay. n_head 3: RoPE needs an even head_dim (66 / 3 = 22).
+# llama with a ReLU^2 MLP, soft-capped logits, zero-initialised projections, an untied head and
+# value embeddings in the first block (AdamW's, inside an FSDP unit); Polar Express and cautious
+# weight decay. n_head 3: RoPE needs an even head_dim (66 / 3 = 22).
 RECIPE = dict(arch="llama", n_head=3, mlp="relu2", logit_softcap=15.0, zero_init_proj=True, tie_embeddings=False,
-              muon_coefficients="polar_express", cautious_weight_decay=True)
+              value_embeds=1, muon_coefficients="polar_express", cautious_weight_decay=True)
 RECIPE_LAYOUTS = {"FULL_SHARD": (4, dict(sharding_strategy="FULL_SHARD", checkpoint_type="sharded")),
                   "HYBRID_SHARD": LAYOUTS["HYBRID_SHARD"], "DDP": LAYOUTS["DDP"]}
 
