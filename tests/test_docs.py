@@ -4,7 +4,7 @@ at tiny size, in a folder of its own that holds the repository's files.
 A block runs under bash, top to bottom, stopping at the first failure. `python SCRIPT` and
 `torchrun` are shell functions there that run the script through the tests' zygote (as torchrun
 would start its ranks, without importing torch again for each), append tiny overrides for the
-script they run (the trainer: a 1-layer model, a few steps, compile off, for each key the command
+script they run (the trainer: a 2-layer model, a few steps, compile off, for each key the command
 doesn't set itself; data.py: one worker, and cl100k_base for gpt2, whose file would need a
 download; sample.py: a few tokens; `python -c` and `-m` run the interpreter itself) and cap --nproc_per_node at 2. The folder's data/stdlib_bytes (the demo's data) is
 the test corpus, prepared. Blocks tagged ```text are shown, not run (multi-node pairs, SLURM,
@@ -89,7 +89,7 @@ def sandbox(tmp_path, corpus) -> str:
 @pytest.mark.parametrize("doc, number, commands", blocks(), ids=lambda v: str(v).split("\n")[0][:40])
 def test_sh_block_runs(doc, number, commands, corpus, tmp_path):
     tiny = {k: v for k, v in TINY.items() if k != "tokenizer"} | dict(
-        n_layer=1, max_iters=4, save_interval=2, eval_interval=2, compile=False, world_size=None, lr_decay_iters=4)
+        n_layer=2, max_iters=4, save_interval=2, eval_interval=2, compile=False, world_size=None, lr_decay_iters=4)
     env = dict(os.environ, PYTHON=sys.executable, TINY_TRAIN=" ".join(overrides(**tiny)), OMP_NUM_THREADS="1",
                ZYGOTE=ZYGOTE, ZYGOTE_SOCKET=zygote_socket())
     result = subprocess.run(["bash", "-c", PRELUDE + commands], cwd=sandbox(tmp_path, corpus), env=env,

@@ -43,14 +43,14 @@ def test_aligned_rows_resume_bitwise_and_reshard(nproc, aligned, corpus, tmp_pat
         assert all(got[s] == pytest.approx(expected[s], rel=1e-4) for s in got)
 
 
-@pytest.mark.parametrize("config, parameters", [("recipe_demo_cpu.yaml", None), ("recipe_124M.yaml", "124M")])
+@pytest.mark.parametrize("config, parameters", [("recipe_demo_cpu.yaml", None), ("recipe_124M.yaml", "239M")])
 def test_the_recipe_configs(config, parameters):
     cfg = parse_args([os.path.join(ROOT, "config", config)])
     demo = parse_args([DEMO])
     if parameters is None:  # the demo's data, size, batch and steps, the recipe on
         assert all(getattr(cfg, k) == getattr(demo, k) for k in ("data_path", "n_layer", "n_embd", "block_size",
                                                                    "train_batch", "max_iters", "seed"))
-    cfg.vocab_size = cfg.vocab_size or 50304  # the GPU config takes the data's: GPT-2's, padded
+    cfg.vocab_size = cfg.vocab_size or {"bytes": 256, "gpt2": 50304}[cfg.tokenizer]  # the data's, padded
     model = GPT(GPTConfig(**cfg.model_shape))
     if parameters is not None:
         assert f"{model.num_params() / 1e6:.0f}M" == parameters
