@@ -133,7 +133,7 @@ def test_grouped_query_attention_avoids_the_math_kernel(monkeypatch):
     assert not model_module.sdpa_takes_gqa(q("cuda", torch.float16))
     assert model_module.sdpa_takes_gqa(q("cpu", torch.float32))
     torch.manual_seed(0)
-    attention = model_module.CausalSelfAttention(GPTConfig(arch="llama", n_head=4, n_kv_head=2, n_embd=32))
+    attention = model_module.CausalSelfAttention(GPTConfig(arch="llama", n_head=4, n_kv_head=2, n_embd=32), layer=0)
     x, rope = torch.randn(2, 16, 32), model_module.rotary(GPTConfig(arch="llama", n_head=4, n_embd=32), 16, "cpu")
     calls, sdpa = [], torch.nn.functional.scaled_dot_product_attention
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", lambda q, k, v, **kw: (

@@ -12,8 +12,8 @@ from model import GPT, GPTConfig
 @pytest.fixture(scope="module")
 def aligned(corpus, tmp_path_factory):
     run = launcher_once(tmp_path_factory, "aligned", align_rows=True, **RUN, **corpus)
-    return lambda name: run(name, *{"one": (1, dict(checkpoint_type="full")),
-                                    "two": (2, dict(checkpoint_type="sharded"))}[name])
+    layouts = {"one": (1, dict(checkpoint_type="full")), "two": (2, dict(checkpoint_type="sharded"))}
+    return lambda name: run(name, layouts[name][0], **layouts[name][1])
 
 
 def losses(run_dir: str) -> dict:
