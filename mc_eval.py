@@ -152,18 +152,23 @@ def score_group(model, group: list[Item], block_size: int, device: torch.device)
     return list(scores.split([len(item.choices) for item in group]))
 
 
+def groups(items: list[Item], items_per_forward: int) -> list[list[Item]]:
+    """The items of each forward: consecutive runs of items_per_forward, the same at any world size."""
+    return [items[i:i + items_per_forward] for i in range(0, len(items), items_per_forward)]
+
+
 def mc_sums(model, items: list[Item], block_size: int, items_per_forward: int, rank: int, world: int,
             device: torch.device) -> torch.Tensor:
     """float64 (right by sum, right by mean, items) over this rank's share. Groups of items_per_forward
     consecutive items, group g on rank g % world: each group is the same forward at any world
     size, so any world size gives the same numbers. Every rank runs as many forwards (under FSDP
     each forward's gathers are collectives): a rank out of groups scores group 0 again, uncounted."""
-    groups = [items[i:i + items_per_forward] for i in range(0, len(items), items_per_forward)]
+    forwards = groups(items, items_per_forward)
     total = torch.zeros(3, dtype=torch.float64, device=device)
-    for g in range(rank, math.ceil(len(groups) / world) * world, world):
-        group = groups[g] if g < len(groups) else groups[0]
+    for g in range(rank, math.ceil(len(forwards) / world) * world, world):
+        group = forwards[g] if g < len(forwards) else forwards[0]
         scores = score_group(model, group, block_size, device)
-        if g < len(groups):
+        if g < len(forwards):
             right = torch.stack([s.argmax(0) == item.label for s, item in zip(scores, group)])  # (items, 2)
             total += torch.cat([right.sum(0), torch.tensor([len(group)], device=device)]).double()
     return total

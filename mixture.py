@@ -112,7 +112,8 @@ class Mixture:
         offsets = windows * block_size
         for k, starts in enumerate(self.starts):
             if starts is not None:
-                offsets[sources == k] = starts[windows[sources == k]]
+                of_k = sources == k
+                offsets[of_k] = starts[windows[of_k]]
         return sources, offsets
 
     def supplied(self, step: int) -> dict[str, int]:

@@ -261,9 +261,10 @@ def train(cfg) -> None:
     tokenizer = resolve_vocabulary(cfg, meta, topo)
     mc_sets = agree(lambda: load_sets(cfg.mc_eval_path or {}, cfg.tokenizer, cfg.vocab_size))
     for name, items in mc_sets.items():
-        if topo.is_main and truncated(items, cfg.block_size):
-            print(f"note: {truncated(items, cfg.block_size)} of {len(items)} items of {name} are longer than block_size "
-                  f"{cfg.block_size}: their contexts lose their start", flush=True)
+        cut = truncated(items, cfg.block_size)
+        if topo.is_main and cut:
+            print(f"note: {cut} of {len(items)} items of {name} are longer than block_size {cfg.block_size}: their "
+                  f"contexts lose their start", flush=True)
     gpt_cfg = GPTConfig(**cfg.model_shape, dropout=cfg.dropout, zero_init_proj=cfg.zero_init_proj)
     dtype = compute_dtype(cfg.dtype, device)
     if topo.is_main:

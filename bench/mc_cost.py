@@ -22,7 +22,7 @@ from torch import nn  # noqa: E402
 
 from ckpt_format import load_gpt  # noqa: E402
 from config import exit_code  # noqa: E402
-from mc_eval import accuracies, load_sets, mc_sums, row, truncated  # noqa: E402
+from mc_eval import accuracies, groups, load_sets, mc_sums, row, truncated  # noqa: E402
 from precision import autocast, compute_dtype, pick_device  # noqa: E402
 
 
@@ -63,8 +63,8 @@ def main(argv: list[str]) -> int:
     seconds = time.perf_counter() - start
     weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
     flops = 0
-    for i in range(0, len(items), per_forward):
-        rows = [row(item, choice, cfg.block_size)[0] for item in items[i:i + per_forward] for choice in item.choices]
+    for group in groups(items, per_forward):
+        rows = [row(item, choice, cfg.block_size)[0] for item in group for choice in item.choices]
         width = max(map(len, rows)) - 1
         flops += len(rows) * width * (2 * weights + 4 * cfg.n_layer * width * cfg.n_embd)
     step_flops = run["train_batch"] * cfg.block_size * model.flops_per_token()
