@@ -125,6 +125,16 @@ def local_slice(t: torch.Tensor) -> tuple[torch.Tensor, int]:
     return t.to_local(), offset
 
 
+def zero_rows(like: torch.Tensor, columns: int) -> torch.Tensor:
+    """Zeros of shape (rows of `like`, columns), sharded and placed as `like` is: a per-row state
+    (NorMuon's) whose slices follow their matrix's through saving, loading and resharding."""
+    if not isinstance(like, DTensor):
+        return like.new_zeros(like.shape[0], columns)
+    local = like.to_local()
+    return DTensor.from_local(local.new_zeros(local.shape[0], columns), like.device_mesh, like.placements,
+                              run_check=False, shape=torch.Size((like.shape[0], columns)), stride=(columns, 1))
+
+
 def host_copy(t: torch.Tensor) -> torch.Tensor:
     """A host copy that owns its bytes: what is written never aliases a training tensor, and
     device tensors (a fused optimizer's `step` lives on the GPU) leave the device first."""

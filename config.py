@@ -101,6 +101,8 @@ class TrainConfig:
     muon_coefficients: str = key("quintic", "muon: the orthogonalisation's polynomials, quintic (Keller Jordan's) "
                                             "or polar_express (one per iteration)")
     cautious_weight_decay: bool = key(False, "muon: decay a matrix weight only where its update has the same sign")
+    normuon: bool = key(False, "muon: NorMuon, each row of a matrix's update divided by its running RMS (decay "
+                               "beta2), the whole at AdamW's RMS")
     learning_rate: float = key(6e-4, "peak learning rate (Muon's updates are scaled to AdamW's RMS: one rate)")
     min_lr: float = key(6e-5, "learning rate at the end of the decay")
     warmup_iters: int = key(2000, "steps of linear warmup from 0 to learning_rate")
@@ -112,7 +114,7 @@ class TrainConfig:
     max_iters: int = key(600000, "optimizer steps of the run (a resume with more extends it)")
     weight_decay: float = key(0.1, "decoupled weight decay of matmul and embedding weights (none on norms, biases)")
     beta1: float = key(0.9, "AdamW's first-moment decay")
-    beta2: float = key(0.95, "AdamW's second-moment decay")
+    beta2: float = key(0.95, "AdamW's (and NorMuon's) second-moment decay")
     grad_clip: float = key(1.0, "clip the global gradient norm to this (0: no clipping)")
     max_skipped_steps: int = key(5, "consecutive steps with a non-finite loss or gradient (skipped: nothing applied) "
                                     "after which the run stops")

@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_map_only
 from ckpt_format import (
     FULL_OPTIONS, LOAD_OPTIONS, SHARD_RE, CorruptCheckpoint, check_model_shape, complete_checkpoints, consolidate,
     fill_local, full_path, host_copy, is_first_replica, load_file, local_slice, marker_path, open_rank_files,
-    piece_of, read_marker, read_sharded, save_atomically, shard_path)
+    piece_of, read_marker, read_sharded, save_atomically, shard_path, zero_rows)
 from ckpt_index import build_index, check_file, check_whole, files_to_open, layout, wanted_rows
 from config import RunStopped, UserError, exit_code, to_dict
 from launch import agree
@@ -244,9 +244,9 @@ class CheckpointManager:
         # the first replica of each slice reads it; the other replicas receive it (below)
         reads = is_first_replica(next(iter(names)), self.topo.rank)
         files = agree(lambda: self._open_needed(directory, marker[0], names) if reads else [])
-        # which parameters have optimizer state, its keys and scalars (`step`), and the train state:
+        # which parameters have optimizer state, its keys, tensors' shapes and scalars (`step`), and the train state:
         # rank 0 reads, tells all
-        skeleton = [{name: {key: None if isinstance(value, dict) else value for key, value in saved.items()}
+        skeleton = [{name: {key: value["shape"] if isinstance(value, dict) else value for key, value in saved.items()}
                      for name, saved in files[0]["optimizer"].items()} if self.topo.is_main else None,
                     files[0].get("train_state", {}) if self.topo.is_main else None]
         dist.broadcast_object_list(skeleton, src=0)
@@ -257,8 +257,8 @@ class CheckpointManager:
                 fill_local(p, [f["model"][name] for f in files])
             state = {}
             for key, value in skeleton[0].get(name, {}).items():
-                if value is None:
-                    state[key] = torch.zeros_like(p)
+                if isinstance(value, list):  # a tensor's shape: its rows are p's rows
+                    state[key] = torch.zeros_like(p) if value == list(p.shape) else zero_rows(p, value[1])
                     if files:
                         fill_local(state[key], [f["optimizer"][name][key] for f in files])
                 else:

@@ -6,6 +6,11 @@ Muon: a momentum buffer, a Nesterov step, then the update is orthogonalised (its
 pushed towards 1 by a Newton-Schulz iteration) and scaled to the RMS an AdamW update has, so
 one `learning_rate` and `weight_decay` serve both halves.
 
+NorMuon (`normuon`, Li et al., arXiv:2510.05491): each row (an output neuron) of the orthogonalised
+update is divided by its running RMS, a second moment kept per row, and the whole update is then
+scaled to RMS 0.2. The row moments are a (rows, 1) state sharded like their matrix's rows; they
+travel with the update as one more column, so the rank that orthogonalises a matrix updates them.
+
 Under FSDP2 each rank holds a dim-0 slice of each matrix, and Newton-Schulz needs the whole one.
 Each matrix is orthogonalised once per step, by one rank: the matrices are dealt out in rounds
 over all the ranks that share them (MatrixExchange), the slices sent to the owner and back by
@@ -13,13 +18,14 @@ all-to-alls in the shard group, and replicas (HYBRID_SHARD, NO_SHARD, DDP) each 
 of the round and all-gather the results.
 """
 import math
+from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw
 
-from ckpt_format import dim0_shard
+from ckpt_format import dim0_shard, zero_rows
 from compat import all_gather_flat
 
 # muon_coefficients: each iteration's (a, b, c) of x <- a x + (b G + c G^2) x, G = x x^T, and the
@@ -51,6 +57,18 @@ def orthogonalise(g: torch.Tensor, coefficients: str = "quintic") -> torch.Tenso
         gram = x @ x.T
         x = a * x + (b * gram + c * gram @ gram) @ x
     return (x.T if tall else x).to(g.dtype)
+
+
+def neuron_normalised(x: torch.Tensor, coefficients: str, beta2: float) -> torch.Tensor:
+    """NorMuon on a whole matrix. x: (rows, cols + 1), Muon's update and, as its last column, each
+    row's second moment. -> the orthogonalised update, each row divided by its RMS's running mean,
+    at RMS 0.2 as a whole (AdamW's, as rms_matching_scale), and the new moments as the last column.
+    No bias correction: a factor common to all rows, which the final scaling cancels."""
+    update = orthogonalise(x[:, :-1], coefficients).float()
+    moment = x[:, -1:].float().lerp(update.square().mean(dim=1, keepdim=True), 1 - beta2)
+    update = update / (moment.sqrt() + 1e-10)
+    update = update * (0.2 / update.square().mean().sqrt().clamp_min(1e-10))
+    return torch.cat([update, moment], dim=1).to(x.dtype)
 
 
 def is_muon_matrix(name: str, shape: torch.Size) -> bool:
@@ -93,8 +111,8 @@ class MatrixExchange:
     and back), then the replicas exchange their shares' slices (an all-gather).
     """
 
-    def __init__(self, sample: torch.Tensor, coefficients: str):
-        self.coefficients = coefficients
+    def __init__(self, sample: torch.Tensor, transform):
+        self.transform = transform  # a whole matrix -> its update (whole), run by the matrix's owner
         self.shard_group = self.replica_group = None  # None: a group of one
         if isinstance(sample, DTensor):
             mesh = sample.device_mesh
@@ -110,8 +128,8 @@ class MatrixExchange:
         self.replicas, self.replica_rank = _size_and_rank(self.replica_group)
         self.round = self.shards * self.replicas
 
-    def orthogonalised(self, slices: list[torch.Tensor], shapes: list[torch.Size], device: torch.device) -> list[torch.Tensor]:
-        """This rank's slices of up to `round` matrices -> its slices of them orthogonalised."""
+    def transformed(self, slices: list[torch.Tensor], shapes: list[torch.Size], device: torch.device) -> list[torch.Tensor]:
+        """This rank's slices of up to `round` matrices -> its slices of them transformed."""
         first = self.replica_rank * self.shards
         share = self._in_shard_group(slices[first:first + self.shards], shapes[first:first + self.shards], device)
         return self._across_replicas(share, shapes, like=slices[0])
@@ -126,7 +144,7 @@ class MatrixExchange:
         # the slices of matrix j to its owner, shard rank j: each owner receives its matrix whole
         counts = [self._rows(own, k) * own[1] for k in range(self.shards)] if own is not None else []
         received = self._all_to_all(slices, counts, like=slices[0])
-        whole = orthogonalise(received.view(own).to(device), self.coefficients).to(received.device) if own is not None else None
+        whole = self.transform(received.view(own).to(device)).to(received.device) if own is not None else None
         # and back: rank k receives its rows of every matrix of the share
         parts = [] if whole is None else list(whole.split([self._rows(own, k) for k in range(self.shards)]))
         rows = [self._rows(shape, self.shard_rank) for shape in shapes]
@@ -171,15 +189,18 @@ class MuonWithAdamW(torch.optim.Optimizer):
     `device`: where Newton-Schulz runs (the GPU, also when cpu_offload keeps the matrices on the host).
     `coefficients`: NS_COEFFICIENTS' set. `cautious`: decay a matrix's weight only where its update
     has the same sign, so where both pull it towards zero (cautious weight decay, arXiv:2510.12402,
-    as modded-nanogpt does). Both are the launched config's, not the checkpoint's param groups'.
+    as modded-nanogpt does). `normuon`: None, or NorMuon's second-moment decay (beta2). All three
+    are the launched config's, not the checkpoint's param groups'.
     """
 
     def __init__(self, groups: list[dict], lr: float, device: torch.device, coefficients: str = "quintic",
-                 cautious: bool = False):
+                 cautious: bool = False, normuon: float | None = None):
         super().__init__(groups, dict(lr=lr, weight_decay=0.0))
-        self.device, self.cautious = device, cautious
+        self.device, self.cautious, self.normuon = device, cautious, normuon is not None
+        transform = (partial(orthogonalise, coefficients=coefficients) if normuon is None else
+                     partial(neuron_normalised, coefficients=coefficients, beta2=normuon))
         matrices = [p for g in self.param_groups if g["muon"] for p in g["params"]]
-        self.exchange = MatrixExchange(matrices[0], coefficients)  # every GPT has block matrices
+        self.exchange = MatrixExchange(matrices[0], transform)  # every GPT has block matrices
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -209,22 +230,32 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
     def _muon_step(self, matrices: list[tuple[torch.Tensor, dict]], keep: torch.Tensor | None) -> None:
         """keep: None, or a 0-dim bool on the device, False where the step is to change nothing."""
-        updates = []  # this rank's rows of each matrix's Nesterov momentum
+        updates = []  # this rank's rows of each matrix's Nesterov momentum (and NorMuon's row moments)
         for p, group in matrices:
-            if not self.state[p]:
-                self.state[p] = {"momentum_buffer": torch.zeros_like(p)}
-            buf, grad, mu = _local(self.state[p]["momentum_buffer"]), _local(p.grad), group["momentum"]
+            state = self.state[p]
+            if not state:
+                state["momentum_buffer"] = torch.zeros_like(p)
+                if self.normuon:
+                    state["row_second_moment"] = zero_rows(p, columns=1)
+            buf, grad, mu = _local(state["momentum_buffer"]), _local(p.grad), group["momentum"]
             _assign(buf, buf.lerp(grad, 1 - mu), keep)
-            updates.append(grad.lerp(buf, mu))
+            update = grad.lerp(buf, mu)
+            updates.append(torch.cat([update, _local(state["row_second_moment"])], dim=1) if self.normuon else update)
+        shapes = [(p.shape[0], p.shape[1] + self.normuon) for p, _ in matrices]
         for start in range(0, len(matrices), self.exchange.round):
-            batch = matrices[start:start + self.exchange.round]
-            slices = updates[start:start + self.exchange.round]
-            for (p, group), update in zip(batch, self.exchange.orthogonalised(slices, [p.shape for p, _ in batch], self.device)):
+            batch = slice(start, start + self.exchange.round)
+            for (p, group), update in zip(matrices[batch], self.exchange.transformed(updates[batch], shapes[batch], self.device)):
+                scale = 1.0  # NorMuon's update is at RMS 0.2 already
+                if self.normuon:
+                    moment, update = update[:, -1:], update[:, :-1]
+                    _assign(_local(self.state[p]["row_second_moment"]), moment, keep)
+                else:
+                    scale = rms_matching_scale(p.shape)
                 weight = _local(p)
                 decay = group["lr"] * group["weight_decay"]
                 if self.cautious:  # elementwise on this rank's rows: no communication
                     decay = decay * (update * weight > 0)
-                new = torch.add(weight * (1 - decay), update, alpha=-group["lr"] * rms_matching_scale(p.shape))
+                new = torch.add(weight * (1 - decay), update, alpha=-group["lr"] * scale)
                 _assign(weight, new, keep)
 
 

@@ -118,7 +118,8 @@ def muon_optimizer(cfg, gpt: GPT, device: torch.device) -> MuonWithAdamW:
         dict(params=list(matrices.values()), muon=True, weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum),
         dict(params=[p for name, p in decay.items() if name not in matrices], weight_decay=cfg.weight_decay, **adamw),
         dict(params=list(no_decay.values()), weight_decay=0.0, **adamw)], lr=cfg.learning_rate, device=device,
-        coefficients=cfg.muon_coefficients, cautious=cfg.cautious_weight_decay)
+        coefficients=cfg.muon_coefficients, cautious=cfg.cautious_weight_decay,
+        normuon=cfg.beta2 if cfg.normuon else None)
 
 
 OPTIMIZERS = {"adamw": adamw_optimizer, "muon": muon_optimizer}

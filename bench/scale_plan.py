@@ -4,7 +4,8 @@
 
 Per rank, under FULL_SHARD (one shard group of all ranks) and HYBRID_SHARD (shard groups of
 fsdp_size, default one node, replicated across them): parameters, gradients and optimizer state
-(AdamW: two moments; optimizer: muon, one momentum for the blocks' matrices); the bytes each
+(AdamW: two moments; optimizer: muon, one momentum for the blocks' matrices, and NorMuon a
+second moment per row); the bytes each
 rank sends per optimizer step (all-gathers, reduce-scatters, HYBRID's all-reduce across
 replicas, Muon's exchanges of the matrices); the sharded checkpoint's size, the time to write and to read it at
 the filesystem's aggregate bandwidth (replica groups past the first receive their slices over
@@ -49,9 +50,12 @@ def row_numel(shape: torch.Size) -> int:
     return shape[1:].numel()
 
 
-def optimizer_state(cfg, name: str, shape: torch.Size) -> tuple[str, ...]:
-    """The fp32 tensors the optimizer keeps per parameter, each shaped and split as the parameter."""
-    return ("momentum_buffer",) if cfg.optimizer == "muon" and is_muon_matrix(name, shape) else ADAMW_MOMENTS
+def optimizer_state(cfg, name: str, shape: torch.Size) -> dict[str, int]:
+    """The fp32 tensors the optimizer keeps per parameter, split by rows as the parameter: {name:
+    elements per row}. Muon: a momentum; NorMuon also one second moment per row."""
+    if not (cfg.optimizer == "muon" and is_muon_matrix(name, shape)):
+        return dict.fromkeys(ADAMW_MOMENTS, row_numel(shape))
+    return {"momentum_buffer": row_numel(shape)} | ({"row_second_moment": 1} if cfg.normuon else {})
 
 
 class Plan:
@@ -71,19 +75,21 @@ class Plan:
         """fp32 parameters, gradients and optimizer state held by `rank`."""
         slices = self.slices(rank)
         local = {name: slices[name][1] * row_numel(shape) for name, shape in self.params}
-        states = sum(local[name] * len(optimizer_state(self.cfg, name, shape)) for name, shape in self.params)
+        states = sum(slices[name][1] * sum(optimizer_state(self.cfg, name, shape).values()) for name, shape in self.params)
         return {"parameters": 4 * sum(local.values()), "gradients": 4 * sum(local.values()), "optimizer": 4 * states}
 
     def checkpoint_bytes(self) -> int:
-        return 4 * sum(shape.numel() * (1 + len(optimizer_state(self.cfg, name, shape))) for name, shape in self.params)
+        return 4 * sum(shape.numel() + shape[0] * sum(optimizer_state(self.cfg, name, shape).values())
+                       for name, shape in self.params)
 
     def sent_bytes(self) -> dict:
         """Bytes one rank sends per optimizer step: all-gathers in the compute dtype each micro-step
         (again in backward for units resharded after forward: all blocks but the last, never the
         root), one reduce-scatter in the reduce dtype, HYBRID's all-reduce of the shards, and with
-        Muon the fp32 slices of the matrices to their owners and back (two all-to-alls)."""
+        Muon the fp32 slices of the matrices (NorMuon: a column more) to their owners and back (two
+        all-to-alls)."""
         cfg, n, r = self.cfg, self.shard, self.replicas
-        matrices = 4 * sum(shape.numel() for name, shape in self.params
+        matrices = 4 * sum(shape[0] * (shape[1] + cfg.normuon) for name, shape in self.params
                            if cfg.optimizer == "muon" and is_muon_matrix(name, shape))
         # a replica's share (1/r of the matrices): slices to their owners and back in the shard
         # group; then every rank's slices all-gathered across the replicas

@@ -9,7 +9,7 @@ import torch
 import ckpt_format
 from config import TrainConfig
 from conftest import ROOT, checkpoint_of, launch, launcher_once, run_trainer, scalars
-from muon import MuonWithAdamW, orthogonalise
+from muon import MuonWithAdamW, orthogonalise, rms_matching_scale
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 from scale_plan import Plan  # noqa: E402
@@ -135,14 +135,16 @@ def test_momentum_reshards(source, kind, nproc, settings, runs, corpus, tmp_path
 
 
 @pytest.mark.slow
-def test_scale_plan_knows_muons_state(runs, corpus):
-    """bench/scale_plan.py with optimizer: muon against the 2-rank run: the state each rank logged
-    (one momentum per matrix, two AdamW moments for the rest), the index its checkpoint holds."""
-    nproc, settings = LAYOUTS["OFFLOAD"]
-    run_dir = runs("OFFLOAD", nproc, **settings)
+@pytest.mark.parametrize("fixture, layout", [("runs", "OFFLOAD"), ("recipe_runs", "FULL_SHARD")])
+def test_scale_plan_knows_muons_state(fixture, layout, request):
+    """bench/scale_plan.py with optimizer: muon against a sharded run (the recipe's: NorMuon's row
+    moments too): the state each rank logged (one momentum per matrix, two AdamW moments for the
+    rest), the index its checkpoint holds."""
+    nproc, settings = {"runs": LAYOUTS, "recipe_runs": RECIPE_LAYOUTS}[fixture][layout]
+    run_dir = request.getfixturevalue(fixture)(layout, nproc, **settings)
     saved = torch.load(checkpoint_of(run_dir, "sharded", 6, rank=0), weights_only=True)
-    plan = Plan(TrainConfig(**saved["config"]), gpus=2, shard=2)
-    for rank in range(2):
+    plan = Plan(TrainConfig(**saved["config"]), gpus=nproc, shard=nproc)
+    for rank in range(nproc):
         logged = scalars(os.path.join(run_dir, "tb"), f"mem/rank{rank}/state_gb")[6]
         planned = plan.state_bytes(rank)
         assert logged == pytest.approx((planned["parameters"] + planned["optimizer"]) / 1e9, rel=1e-6), rank
@@ -153,10 +155,10 @@ def test_scale_plan_knows_muons_state(runs, corpus):
 
 # ---- the speedrun recipe's parts (docs/recipe.md) under Muon's layouts ----
 # llama with a ReLU^2 MLP, soft-capped logits, zero-initialised projections, an untied head and
-# value embeddings in the first block (AdamW's, inside an FSDP unit); Polar Express and cautious
-# weight decay. n_head 3: RoPE needs an even head_dim (66 / 3 = 22).
+# value embeddings in the first block (AdamW's, inside an FSDP unit); Polar Express, cautious
+# weight decay and NorMuon. n_head 3: RoPE needs an even head_dim (66 / 3 = 22).
 RECIPE = dict(arch="llama", n_head=3, mlp="relu2", logit_softcap=15.0, zero_init_proj=True, tie_embeddings=False,
-              value_embeds=1, muon_coefficients="polar_express", cautious_weight_decay=True)
+              value_embeds=1, muon_coefficients="polar_express", cautious_weight_decay=True, normuon=True)
 RECIPE_LAYOUTS = {"FULL_SHARD": (4, dict(sharding_strategy="FULL_SHARD", checkpoint_type="sharded")),
                   "HYBRID_SHARD": LAYOUTS["HYBRID_SHARD"], "DDP": LAYOUTS["DDP"]}
 
@@ -175,15 +177,23 @@ def test_the_recipe_matches_one_process_under_every_layout(layout, recipe_runs):
 @pytest.mark.slow
 def test_the_recipe_resumes_bitwise_and_reshards(recipe_runs, corpus, tmp_path):
     (tmp_path / "ddp").mkdir()
-    (tmp_path / "one").mkdir()
+    (tmp_path / "two").mkdir()
+    (tmp_path / "three").mkdir()
     ddp = recipe_runs("DDP", *RECIPE_LAYOUTS["DDP"][:1], **RECIPE_LAYOUTS["DDP"][1])
     run_trainer(str(tmp_path / "ddp"), nproc=3, resume_from=checkpoint_of(ddp, "full", 3),
                 **(MUON | RECIPE | corpus | RECIPE_LAYOUTS["DDP"][1]))
     got, expected = logged(str(tmp_path / "ddp"))["train/loss"], logged(ddp)["train/loss"]
     assert sorted(got) == [4, 5, 6] and all(got[s] == expected[s] for s in got), (got, expected)
+    # 4 ranks' shards read by 2 (other slices of every tensor, NorMuon's (rows, 1) moments among them)
     sharded = recipe_runs("FULL_SHARD", *RECIPE_LAYOUTS["FULL_SHARD"][:1], **RECIPE_LAYOUTS["FULL_SHARD"][1])
-    run_trainer(str(tmp_path / "one"), resume_from=checkpoint_of(sharded, "sharded", 3, rank=0), **(MUON | RECIPE | corpus))
-    got, expected = logged(str(tmp_path / "one"))["train/loss"], logged(sharded)["train/loss"]
+    run_trainer(str(tmp_path / "two"), nproc=2, resume_from=checkpoint_of(sharded, "sharded", 3, rank=0),
+                **(MUON | RECIPE | corpus | RECIPE_LAYOUTS["FULL_SHARD"][1]))
+    got, expected = logged(str(tmp_path / "two"))["train/loss"], logged(sharded)["train/loss"]
+    assert sorted(got) == [4, 5, 6] and all(got[s] == pytest.approx(expected[s], rel=1e-4) for s in got)
+    # a 2 x 2 HYBRID run's full file read by 3 FULL_SHARD ranks (torch's full optimizer state dict)
+    hybrid = recipe_runs("HYBRID_SHARD", *RECIPE_LAYOUTS["HYBRID_SHARD"][:1], **RECIPE_LAYOUTS["HYBRID_SHARD"][1])
+    run_trainer(str(tmp_path / "three"), nproc=3, resume_from=checkpoint_of(hybrid, "full", 3), **(MUON | RECIPE | corpus))
+    got, expected = logged(str(tmp_path / "three"))["train/loss"], logged(hybrid)["train/loss"]
     assert sorted(got) == [4, 5, 6] and all(got[s] == pytest.approx(expected[s], rel=1e-4) for s in got)
 
 
@@ -213,3 +223,39 @@ def test_cautious_weight_decay_spares_weights_their_update_pulls_away_from_zero(
     assert torch.equal(spared[pulls_to_zero], torch.zeros_like(spared[pulls_to_zero]))
     assert torch.allclose(spared[~pulls_to_zero], 0.1 * 0.5 * start[~pulls_to_zero], rtol=1e-5, atol=1e-7)
     assert 0.3 < pulls_to_zero.float().mean() < 0.7
+
+
+def test_normuon_is_the_papers_update_and_keeps_a_moment_per_row(one_process_group):
+    """Three steps on a tall and a wide matrix against NorMuon written out (arXiv:2510.05491,
+    Algorithm 1 with Nesterov momentum): orthogonalise, a running mean of each row's squared
+    update, each row divided by its root, the whole scaled to 0.2 sqrt(rows x cols) / its norm."""
+    torch.manual_seed(0)
+    start = [torch.randn(48, 16), torch.randn(16, 64)]
+    ours = [w.clone().requires_grad_() for w in start]
+    optimizer = MuonWithAdamW([dict(params=ours, muon=True, weight_decay=0.1, momentum=0.95)], lr=0.02,
+                              device=torch.device("cpu"), normuon=0.95)
+    expected = [w.clone() for w in start]
+    momenta, moments = [torch.zeros_like(w) for w in start], [torch.zeros(w.shape[0], 1) for w in start]
+    for _ in range(3):
+        for i, w in enumerate(ours):
+            w.grad = torch.randn_like(w)
+            momenta[i] = 0.95 * momenta[i] + 0.05 * w.grad
+            update = orthogonalise(0.05 * w.grad + 0.95 * momenta[i])
+            moments[i] = 0.95 * moments[i] + 0.05 * update.square().mean(dim=1, keepdim=True)
+            normalised = update / moments[i].sqrt()
+            scale = 0.2 * normalised.numel() ** 0.5 / normalised.norm()
+            expected[i] = expected[i] * (1 - 0.02 * 0.1) - 0.02 * scale * normalised
+        optimizer.step()
+    for w, want, moment in zip(ours, expected, moments):
+        assert torch.allclose(w.detach(), want, rtol=1e-5, atol=1e-6)
+        assert torch.allclose(optimizer.state[w]["row_second_moment"], moment, rtol=1e-5)
+    # the first step's rows all have one RMS: each row's moment is then its own mean square
+    weight = torch.zeros(48, 16, requires_grad=True)
+    first = MuonWithAdamW([dict(params=[weight], muon=True, weight_decay=0.0, momentum=0.95)], lr=1.0,
+                          device=torch.device("cpu"), normuon=0.95)
+    weight.grad = torch.randn(48, 16) * torch.logspace(-2, 0, 48)[:, None]  # rows of two decades of scale
+    first.step()
+    rows = weight.detach().square().mean(dim=1).sqrt()
+    assert torch.allclose(rows, torch.full_like(rows, 0.2), rtol=1e-4)
+    plain = orthogonalise(weight.grad).square().mean(dim=1).sqrt() * rms_matching_scale(weight.shape)
+    assert plain.max() > 1.5 * plain.min()  # where Muon's rows differ
