@@ -329,6 +329,8 @@ def validate(cfg: TrainConfig) -> None:
     require(cfg.keep_last >= 0, f"keep_last must be 0 (keep all) or positive, got {cfg.keep_last}")
     require(cfg.optimizer in OPTIMIZERS, f"optimizer '{cfg.optimizer}' is not one of {', '.join(OPTIMIZERS)}")
     require(0.0 <= cfg.muon_momentum < 1.0, f"muon_momentum must be in [0, 1), got {cfg.muon_momentum}")
+    require(cfg.optimizer == "muon" or not (cfg.normuon or cfg.cautious_weight_decay),
+            "normuon and cautious_weight_decay change Muon's update: set optimizer: muon (or turn them off)")
     require(cfg.min_lr <= cfg.learning_rate,
             f"min_lr={cfg.min_lr} must not exceed learning_rate={cfg.learning_rate}")
     require(cfg.lr_schedule in LR_SCHEDULES, f"lr_schedule '{cfg.lr_schedule}' is not one of {', '.join(LR_SCHEDULES)}")

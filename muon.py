@@ -66,7 +66,7 @@ def neuron_normalised(x: torch.Tensor, coefficients: str, beta2: float) -> torch
     No bias correction: a factor common to all rows, which the final scaling cancels."""
     update = orthogonalise(x[:, :-1], coefficients).float()
     moment = x[:, -1:].float().lerp(update.square().mean(dim=1, keepdim=True), 1 - beta2)
-    update = update / (moment.sqrt() + 1e-10)
+    update = update / (moment.sqrt() + 1e-8)
     update = update * (0.2 / update.square().mean().sqrt().clamp_min(1e-10))
     return torch.cat([update, moment], dim=1).to(x.dtype)
 
@@ -235,8 +235,8 @@ class MuonWithAdamW(torch.optim.Optimizer):
             state = self.state[p]
             if not state:
                 state["momentum_buffer"] = torch.zeros_like(p)
-                if self.normuon:
-                    state["row_second_moment"] = zero_rows(p, columns=1)
+            if self.normuon and "row_second_moment" not in state:  # also a Muon checkpoint resumed with NorMuon
+                state["row_second_moment"] = zero_rows(p, columns=1)
             buf, grad, mu = _local(state["momentum_buffer"]), _local(p.grad), group["momentum"]
             _assign(buf, buf.lerp(grad, 1 - mu), keep)
             update = grad.lerp(buf, mu)

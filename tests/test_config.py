@@ -29,6 +29,7 @@ def test_yaml_scientific_notation_without_dot(tmp_path):
     (["--dtype=fp8"], "dtype 'fp8'"),
     (["--checkpoint_type=zip"], "checkpoint_type"),
     (["stray"], "unexpected argument 'stray'"),
+    (["--normuon=true"], "normuon and cautious_weight_decay change Muon's update: set optimizer: muon"),
 ])
 def test_rejected(argv, message):
     with pytest.raises(UserError, match=message):
