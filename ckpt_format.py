@@ -125,14 +125,16 @@ def local_slice(t: torch.Tensor) -> tuple[torch.Tensor, int]:
     return t.to_local(), offset
 
 
-def zero_rows(like: torch.Tensor, columns: int) -> torch.Tensor:
-    """Zeros of shape (rows of `like`, columns), sharded and placed as `like` is: a per-row state
-    (NorMuon's) whose slices follow their matrix's through saving, loading and resharding."""
+def zero_rows(like: torch.Tensor, row_shape) -> torch.Tensor:
+    """Zeros of shape (rows of `like`, *row_shape), sharded and placed as `like` is: optimizer state
+    whose slices follow their parameter's rows through saving, loading and resharding (AdamW's
+    moments and Muon's momentum: row_shape = like.shape[1:]; NorMuon's moments: (1,))."""
+    shape = torch.Size((like.shape[0], *row_shape))
     if not isinstance(like, DTensor):
-        return like.new_zeros(like.shape[0], columns)
+        return like.new_zeros(shape)
     local = like.to_local()
-    return DTensor.from_local(local.new_zeros(local.shape[0], columns), like.device_mesh, like.placements,
-                              run_check=False, shape=torch.Size((like.shape[0], columns)), stride=(columns, 1))
+    return DTensor.from_local(local.new_zeros(local.shape[0], *row_shape), like.device_mesh, like.placements,
+                              run_check=False, shape=shape, stride=torch.empty(shape, device="meta").stride())
 
 
 def host_copy(t: torch.Tensor) -> torch.Tensor:

@@ -258,7 +258,7 @@ class CheckpointManager:
             state = {}
             for key, value in skeleton[0].get(name, {}).items():
                 if isinstance(value, list):  # a tensor's shape: its rows are p's rows
-                    state[key] = torch.zeros_like(p) if value == list(p.shape) else zero_rows(p, value[1])
+                    state[key] = zero_rows(p, value[1:])
                     if files:
                         fill_local(state[key], [f["optimizer"][name][key] for f in files])
                 else:

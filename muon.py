@@ -42,6 +42,7 @@ NS_COEFFICIENTS = {
                        (2.3465413258596377, -1.7097828382687081, 0.42323551169305323)], 1.02),
 }
 NS_STEPS = 5  # iterations of every set
+ADAMW_UPDATE_RMS = 0.2  # what Muon's updates are scaled to (rms_matching_scale)
 
 
 def orthogonalise(g: torch.Tensor, coefficients: str = "quintic") -> torch.Tensor:
@@ -67,7 +68,7 @@ def neuron_normalised(x: torch.Tensor, coefficients: str, beta2: float) -> torch
     update = orthogonalise(x[:, :-1], coefficients).float()
     moment = x[:, -1:].float().lerp(update.square().mean(dim=1, keepdim=True), 1 - beta2)
     update = update / (moment.sqrt() + 1e-8)
-    update = update * (0.2 / update.square().mean().sqrt().clamp_min(1e-10))
+    update = update * (ADAMW_UPDATE_RMS / update.square().mean().sqrt().clamp_min(1e-10))
     return torch.cat([update, moment], dim=1).to(x.dtype)
 
 
@@ -95,7 +96,7 @@ def newton_schulz_share(model: torch.nn.Module, tokens_per_step: int, group: int
 def rms_matching_scale(shape: torch.Size) -> float:
     """An orthogonal (rows, cols) matrix has RMS 1/sqrt(max(rows, cols)), an AdamW update about
     0.2 (Moonlight, arXiv:2502.16982): with this scale Muon takes AdamW's learning rate and decay."""
-    return 0.2 * math.sqrt(max(shape[0], shape[1]))
+    return ADAMW_UPDATE_RMS * math.sqrt(max(shape[0], shape[1]))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -236,7 +237,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
             if not state:
                 state["momentum_buffer"] = torch.zeros_like(p)
             if self.normuon and "row_second_moment" not in state:  # also a Muon checkpoint resumed with NorMuon
-                state["row_second_moment"] = zero_rows(p, columns=1)
+                state["row_second_moment"] = zero_rows(p, (1,))
             buf, grad, mu = _local(state["momentum_buffer"]), _local(p.grad), group["momentum"]
             _assign(buf, buf.lerp(grad, 1 - mu), keep)
             update = grad.lerp(buf, mu)
