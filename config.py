@@ -75,8 +75,8 @@ class TrainConfig:
     norm_eps: float = key(1e-5, "epsilon of LayerNorm / RMSNorm")
     mlp: str | None = key(None, "the MLP: gelu, swiglu (gated) or relu2 (relu(x)^2); null: gelu for gpt2, swiglu "
                                 "for llama")
-    logit_softcap: float | None = key(None, "squash logits into (-cap, cap) with cap * tanh(logits / cap); null: "
-                                            "off")
+    logit_softcap: float | None = key(None, "squash logits into (-cap, cap) with cap * tanh(logits / cap), in fp32; "
+                                            "null: off")
     zero_init_proj: bool = key(False, "attention and MLP output projections start at zero")
     value_embeds: int = key(0, "the first N blocks mix an embedding of the input tokens into attention's values "
                                "(a vocab_size-row table each)")
@@ -118,7 +118,9 @@ class TrainConfig:
     grad_clip: float = key(1.0, "clip the global gradient norm to this (0: no clipping)")
     max_skipped_steps: int = key(5, "consecutive steps with a non-finite loss or gradient (skipped: nothing applied) "
                                     "after which the run stops")
-    fsdp: bool = key(True, "FSDP2 (true) or DDP (false); one process runs unwrapped either way")
+    fsdp: bool = key(True, "FSDP2 (true) or DDP (false); one process runs unwrapped either way (see force_fsdp)")
+    force_fsdp: bool = key(False, "wrap the model with fully_shard even in one process: FSDP2's mixed precision, "
+                                  "hooks and sharded checkpoints on one device (bench/gpu_check.sh)")
     sharding_strategy: str = key("FULL_SHARD", "FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD or "
                                                "HYBRID_SHARD_ZERO2")
     fsdp_size: int | None = key(None, "HYBRID_SHARD: ranks per shard group, dividing the world size; null: the "
@@ -326,6 +328,7 @@ def validate(cfg: TrainConfig) -> None:
     require(cfg.fsdp_size is None or cfg.fsdp_size > 0, f"fsdp_size must be positive, got {cfg.fsdp_size}")
     require(cfg.fsdp or not cfg.cpu_offload,
             "cpu_offload: true needs fsdp: true (DDP keeps every parameter and optimizer state on the GPU)")
+    require(cfg.fsdp or not cfg.force_fsdp, "force_fsdp: true needs fsdp: true (it wraps one process in FSDP2)")
     require(cfg.keep_last >= 0, f"keep_last must be 0 (keep all) or positive, got {cfg.keep_last}")
     require(cfg.optimizer in OPTIMIZERS, f"optimizer '{cfg.optimizer}' is not one of {', '.join(OPTIMIZERS)}")
     require(0.0 <= cfg.muon_momentum < 1.0, f"muon_momentum must be in [0, 1), got {cfg.muon_momentum}")

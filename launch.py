@@ -63,8 +63,9 @@ class Topology:
 def wrapping(cfg, world_size: int) -> str:
     """"fsdp", "ddp", or "none": one process holding the whole model has nothing to shard or
     reduce, and FSDP2's per-unit work (copies in and out of the sharded storage, DTensor
-    dispatch) cost it up to 13% of a small model's step. cpu_offload still needs FSDP."""
-    if world_size == 1 and not cfg.cpu_offload:
+    dispatch) cost it up to 13% of a small model's step. cpu_offload still needs FSDP, and
+    force_fsdp asks for it (to exercise FSDP2 itself on one device)."""
+    if world_size == 1 and not (cfg.cpu_offload or cfg.force_fsdp):
         return "none"
     return "fsdp" if cfg.fsdp else "ddp"
 
@@ -75,6 +76,15 @@ def backend_for(device_type: str, cpu_offload: bool) -> str:
     if device_type != "cuda":
         return "gloo"
     return "cuda:nccl,cpu:gloo" if cpu_offload else "nccl"
+
+
+def bound_device(device: torch.device, backend: str) -> torch.device | None:
+    """The GPU that NCCL's communicator is bound to at init (device_id), or None. Bound, each
+    barrier knows its GPU and DeviceMesh makes its sub-groups with ncclCommSplit (split_group).
+    The two-backend group of cpu_offload stays unbound: split_group of a cuda:nccl,cpu:gloo
+    parent asserted on torch 2.8 (pytorch#159200), and an unbound parent makes DeviceMesh build
+    the HYBRID and NO_SHARD meshes' sub-groups with new_group, which takes both backends."""
+    return device if backend == "nccl" else None
 
 
 def init_distributed(cfg) -> Topology:
@@ -94,9 +104,8 @@ def init_distributed(cfg) -> Topology:
         store = dist.PrefixStore(f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}", store)
     else:  # plain `python train_fsdp.py`: a group of one
         store = dist.HashStore()
-    # device_id binds NCCL's communicator to this rank's GPU (without it each barrier guesses, and warns)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timedelta(minutes=30),
-                            device_id=device if device.type == "cuda" else None)
+                            device_id=bound_device(device, backend))
     wrap = wrapping(cfg, world)
     return Topology(rank, world, local_rank, local_world, device, wrap,
                     build_mesh(cfg, world, local_world, device, wrap))

@@ -159,7 +159,7 @@ class BatchLoader:
     def _start_copy(self, xy: torch.Tensor):
         """The host rows on their way to the device: on GPU through pinned memory, on a side stream."""
         if self.device.type != "cuda":
-            return xy, None
+            return xy.to(self.device), None  # on CPU: xy itself
         with torch.cuda.stream(self._copy_stream):
             xy = xy.pin_memory().to(self.device, non_blocking=True)
             done = torch.cuda.Event()
@@ -188,11 +188,10 @@ class BatchLoader:
             per_rank = -(-wanted // self.dp_size)
             for i in range(-(-per_rank // self.micro_batch)):
                 ids = mine[i * self.micro_batch:(i + 1) * self.micro_batch]
-                weight = torch.zeros(self.micro_batch)
-                weight[:len(ids)] = 1.0
+                weight = (torch.arange(self.micro_batch, device=self.device) < len(ids)).float()  # made on the device
                 ids = np.concatenate([ids, np.zeros(self.micro_batch - len(ids), dtype=ids.dtype)])
                 x, y = self._rows("val", (np.full(len(ids), k), ids * self.block_size))
-                yield k, x, y, weight.to(x.device)
+                yield k, x, y, weight
 
     def cropped(self) -> dict[str, float]:
         """align_rows: each source's share of train tokens no row reads."""

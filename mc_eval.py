@@ -138,13 +138,13 @@ def score_group(model, group: list[Item], block_size: int, device: torch.device)
     real position, and padded positions are not scored."""
     rows = [row(item, choice, block_size) for item in group for choice in item.choices]
     width = max(len(tokens) for tokens, _ in rows) - 1
-    x = torch.zeros(len(rows), width, dtype=torch.long)
-    y = torch.zeros(len(rows), width, dtype=torch.long)
-    scored = torch.zeros(len(rows), width)
+    host = torch.zeros(3, len(rows), width, dtype=torch.long)  # x, y, scored: one copy to the device
     for r, (tokens, n) in enumerate(rows):
-        x[r, :len(tokens) - 1], y[r, :len(tokens) - 1] = torch.tensor(tokens[:-1]), torch.tensor(tokens[1:])
-        scored[r, len(tokens) - 1 - n:len(tokens) - 1] = 1
-    x, y, scored = x.to(device), y.to(device), scored.to(device)
+        host[0, r, :len(tokens) - 1], host[1, r, :len(tokens) - 1] = torch.tensor(tokens[:-1]), torch.tensor(tokens[1:])
+        host[2, r, len(tokens) - 1 - n:len(tokens) - 1] = 1
+    # from pinned memory the copy is queued behind the GPU's work instead of waiting for it to drain
+    x, y, scored = (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
+    scored = scored.float()
     logits, _ = model(x)  # (rows, width, vocab)
     logprobs = -F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none").view_as(y) * scored
     sums = logprobs.sum(1).double()
@@ -165,12 +165,15 @@ def mc_sums(model, items: list[Item], block_size: int, items_per_forward: int, r
     each forward's gathers are collectives): a rank out of groups scores group 0 again, uncounted."""
     forwards = groups(items, items_per_forward)
     total = torch.zeros(3, dtype=torch.float64, device=device)
-    for g in range(rank, math.ceil(len(forwards) / world) * world, world):
-        group = forwards[g] if g < len(forwards) else forwards[0]
-        scores = score_group(model, group, block_size, device)
-        if g < len(forwards):
-            right = torch.stack([s.argmax(0) == item.label for s, item in zip(scores, group)])  # (items, 2)
-            total += torch.cat([right.sum(0), torch.tensor([len(group)], device=device)]).double()
+    # eager even where the blocks are compiled: every new row width would compile a graph of its own
+    with torch.compiler.set_stance("force_eager"):
+        for g in range(rank, math.ceil(len(forwards) / world) * world, world):
+            group = forwards[g] if g < len(forwards) else forwards[0]
+            scores = score_group(model, group, block_size, device)
+            if g < len(forwards):
+                right = torch.stack([s.argmax(0) == item.label for s, item in zip(scores, group)])  # (items, 2)
+                total[:2] += right.sum(0)
+                total[2] += len(group)  # a Python number: no copy from the host
     return total
 
 

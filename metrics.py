@@ -11,24 +11,30 @@ import torch.distributed as dist
 from ckpt_format import local_slice
 from compat import all_gather_flat
 
-# Dense bf16 (fp16 where the GPU has no bf16) peak FLOP/s, no sparsity, from the vendors' data
-# sheets, by the exact name torch.cuda.get_device_name reports: "L40" must not take "L4"'s figure,
-# nor an H100 PCIe an H100 SXM's.
+# Dense peak FLOP/s, no sparsity, from the vendors' data sheets, by the exact name
+# torch.cuda.get_device_name reports ("L40" must not take "L4"'s figure, nor an H100 PCIe an H100
+# SXM's): (16-bit: bf16, or fp16 where the GPU has no bf16; 32-bit: TF32 tensor cores, which
+# dtype: fp32 uses on Ampere and newer, or plain FP32 on V100 and T4, which have no TF32).
 GPU_PEAK_FLOPS = {
-    "NVIDIA H200": 989e12, "NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100 NVL": 835e12, "NVIDIA H100 PCIe": 756e12,
-    "NVIDIA A100-SXM4-80GB": 312e12, "NVIDIA A100-SXM4-40GB": 312e12, "NVIDIA A100 80GB PCIe": 312e12,
-    "NVIDIA A100-PCIE-40GB": 312e12, "NVIDIA L40S": 362e12, "NVIDIA L40": 181e12, "NVIDIA L4": 121e12,
-    "NVIDIA A10G": 70e12, "NVIDIA A10": 125e12, "NVIDIA RTX A6000": 155e12, "NVIDIA GeForce RTX 4090": 165e12,
-    "NVIDIA GeForce RTX 3090": 71e12, "Tesla V100-SXM2-16GB": 125e12, "Tesla V100-SXM2-32GB": 125e12,
-    "Tesla V100-PCIE-16GB": 112e12, "Tesla V100-PCIE-32GB": 112e12, "Tesla T4": 65e12,
+    "NVIDIA B200": (2250e12, 1100e12), "NVIDIA GH200 480GB": (989e12, 494e12), "NVIDIA H200": (989e12, 494e12),
+    "NVIDIA H200 NVL": (835e12, 418e12), "NVIDIA H100 80GB HBM3": (989e12, 494e12),
+    "NVIDIA H100 NVL": (835e12, 418e12), "NVIDIA H100 PCIe": (756e12, 378e12),
+    "NVIDIA A100-SXM4-80GB": (312e12, 156e12), "NVIDIA A100-SXM4-40GB": (312e12, 156e12),
+    "NVIDIA A100 80GB PCIe": (312e12, 156e12), "NVIDIA A100-PCIE-40GB": (312e12, 156e12),
+    "NVIDIA L40S": (362e12, 183e12), "NVIDIA L40": (181e12, 90.5e12), "NVIDIA L4": (121e12, 60e12),
+    "NVIDIA A10G": (70e12, 35e12), "NVIDIA A10": (125e12, 62.5e12), "NVIDIA RTX A6000": (155e12, 77.4e12),
+    "NVIDIA GeForce RTX 4090": (165e12, 82.6e12), "NVIDIA GeForce RTX 3090": (71e12, 35.6e12),
+    "Tesla V100-SXM2-16GB": (125e12, 15.7e12), "Tesla V100-SXM2-32GB": (125e12, 15.7e12),
+    "Tesla V100-PCIE-16GB": (112e12, 14e12), "Tesla V100-PCIE-32GB": (112e12, 14e12), "Tesla T4": (65e12, 8.1e12),
 }
 
 
-def device_peak_flops(device: torch.device) -> float | None:
-    """Peak FLOP/s of one rank's device: the table for GPUs (None for a GPU it lacks: its MFU is
-    unknown, not a guess), measured for a CPU."""
+def device_peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
+    """Peak FLOP/s of one rank's device computing in `dtype`: the table for GPUs (None for a GPU
+    it lacks: its MFU is unknown, not a guess), measured in fp32 for a CPU."""
     if device.type == "cuda":
-        return GPU_PEAK_FLOPS.get(torch.cuda.get_device_name(device))
+        peaks = GPU_PEAK_FLOPS.get(torch.cuda.get_device_name(device))
+        return peaks and peaks[dtype == torch.float32]
     n, repeats = 512, 10
     a, b = torch.randn(n, n), torch.randn(n, n)
     torch.mm(a, b)  # warm up
@@ -95,7 +101,7 @@ class ProgressLog:
     """Created on every rank; only rank 0 prints and writes TensorBoard events."""
 
     def __init__(self, enabled: bool, tensorboard_dir: str, max_iters: int, tokens_per_step: int,
-                 flops_per_token: int, device: torch.device, world_size: int):
+                 flops_per_token: int, device: torch.device, dtype: torch.dtype, world_size: int):
         self.enabled, self.max_iters = enabled, max_iters
         self.tokens_per_step, self.flops_per_token, self.peak_flops = tokens_per_step, flops_per_token, None
         self.writer = None
@@ -103,10 +109,10 @@ class ProgressLog:
             from torch.utils.tensorboard import SummaryWriter
             os.makedirs(tensorboard_dir, exist_ok=True)
             self.writer = SummaryWriter(log_dir=tensorboard_dir)
-            peak = device_peak_flops(device)
+            peak = device_peak_flops(device, dtype)
             if peak is None:
-                print(f"note: MFU unknown for GPU '{torch.cuda.get_device_name(device)}': add its dense bf16 peak "
-                      f"FLOP/s to metrics.GPU_PEAK_FLOPS", flush=True)
+                print(f"note: MFU unknown for GPU '{torch.cuda.get_device_name(device)}': add its dense peak FLOP/s "
+                      f"to metrics.GPU_PEAK_FLOPS", flush=True)
             else:
                 self.peak_flops = peak * world_size  # every rank's device alike
         self.mark_time, self.mark_step = time.perf_counter(), None

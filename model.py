@@ -222,8 +222,9 @@ class GPT(nn.Module):
                 x = block(x, rope, idx)
         logits = self.lm_head(self.ln_f(x))
         if self.config.logit_softcap:  # Gemma 2's soft cap: large logits can't run away
+            # in fp32, as the speedruns cap: in bf16 its gradient is off by ~2e-3 relative
             cap = self.config.logit_softcap
-            logits = cap * torch.tanh(logits / cap)
+            logits = cap * torch.tanh(logits.float() / cap)
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())

@@ -27,6 +27,7 @@ from torch.optim.adamw import adamw
 
 from ckpt_format import dim0_shard, zero_rows
 from compat import all_gather_flat
+from precision import native_bf16
 
 # muon_coefficients: each iteration's (a, b, c) of x <- a x + (b G + c G^2) x, G = x x^T, and the
 # margin the start's norm leaves below 1
@@ -47,9 +48,9 @@ ADAMW_UPDATE_RMS = 0.2  # what Muon's updates are scaled to (rms_matching_scale)
 
 def orthogonalise(g: torch.Tensor, coefficients: str = "quintic") -> torch.Tensor:
     """About U V^T for g = U S V^T (the singular values end up near 1, not at it).
-    bf16 on GPU (tensor cores); fp32 on CPU, where bf16 matmuls are slow."""
+    bf16 on GPUs with bf16 tensor cores; fp32 on CPU and older GPUs, where bf16 is slow (emulated)."""
     steps, margin = NS_COEFFICIENTS[coefficients]
-    x = g.to(torch.bfloat16 if g.is_cuda else torch.float32)
+    x = g.to(torch.bfloat16 if native_bf16(g.device) else torch.float32)
     tall = x.shape[0] > x.shape[1]
     if tall:  # iterate on the smaller Gram matrix
         x = x.T

@@ -5,6 +5,8 @@ Every forward (training, val loss, text samples, evaluate.py, sample.py) runs un
 """
 import torch
 
+from config import UserError
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -26,8 +28,24 @@ def compute_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype != "auto":
         return DTYPES[dtype]
     if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
+        return torch.bfloat16 if native_bf16(device) else torch.float16
     return torch.float32
+
+
+def native_bf16(device: torch.device) -> bool:
+    """Whether bf16 matmuls run on the device's tensor cores (Ampere and newer), not emulated."""
+    return device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
+
+
+def check_offload(dtype: torch.dtype, cpu_offload: bool) -> None:
+    """fp16 with cpu_offload is refused: GradScaler hands the offloaded (host) gradients its
+    inv_scale and found_inf through non_blocking copies from the GPU, and the CPU kernels read
+    them without waiting for the copy (torch/amp/grad_scaler.py, _MultiDeviceReplicator.get;
+    fused AdamW's found_inf alike): stale scales and missed overflows, silently."""
+    if dtype == torch.float16 and cpu_offload:
+        raise UserError("dtype fp16 (also what dtype: auto picks on GPUs without bf16) with cpu_offload: true is not "
+                        "supported: its loss scaling reads GPU values on the host unsynchronised; use dtype: bf16 or "
+                        "fp32, or cpu_offload: false")
 
 
 def autocast(dtype: torch.dtype, device: torch.device, fsdp: bool):

@@ -29,7 +29,7 @@ from metrics import ProgressLog, per_rank_memory
 from mixture import resumed_segment
 from model import GPT, GPTConfig
 from muon import MuonWithAdamW, is_muon_matrix
-from precision import DTYPES, autocast, compute_dtype
+from precision import DTYPES, autocast, check_offload, compute_dtype
 from schedule import lr_at
 from sample import complete
 
@@ -252,6 +252,8 @@ def train(cfg) -> None:
         raise UserError(f"train_batch={cfg.train_batch} must be a multiple of micro_batch={cfg.micro_batch} "
                         f"x {world} ranks = {cfg.micro_batch * world}")
     accum_steps = cfg.train_batch // (cfg.micro_batch * world)
+    dtype = compute_dtype(cfg.dtype, device)
+    check_offload(dtype, cfg.cpu_offload)
     # each rank reads the data itself (node-local disks): a failure on one stops every rank
     sources = agree(lambda: prepare_sources(cfg.data_mix, cfg.data_path, cfg.data_source, cfg.tokenizer))
     meta = next(iter(sources.values()))[1]
@@ -267,7 +269,6 @@ def train(cfg) -> None:
             print(f"note: {cut} of {len(items)} items of {name} are longer than block_size {cfg.block_size}: their "
                   f"contexts lose their start", flush=True)
     gpt_cfg = GPTConfig(**cfg.model_shape, dropout=cfg.dropout, zero_init_proj=cfg.zero_init_proj)
-    dtype = compute_dtype(cfg.dtype, device)
     if topo.is_main:
         print(to_yaml(cfg), end="")
         if cfg.world_size not in (None, world):
@@ -284,7 +285,7 @@ def train(cfg) -> None:
     loader = open_loader(cfg, sources, topo, ckpt.train_state, step)
     tokens_per_step = cfg.train_batch * cfg.block_size
     log = ProgressLog(topo.is_main, cfg.tensorboard_dir, cfg.max_iters, tokens_per_step, gpt.flops_per_token(),
-                      device, world)
+                      device, dtype, world)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     guard = NonFiniteGuard(device, cfg.max_skipped_steps)
     compute = forward_context(cfg, topo)

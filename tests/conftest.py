@@ -174,6 +174,8 @@ RUN = dict(train_batch=24, max_iters=6, save_interval=3, eval_interval=3)
 # The runs many tests read: RUN's 6 steps, checkpoints at 3 and 6, each launched once per session.
 CANONICAL = {  # name: (ranks, settings)
     "one": (1, dict(checkpoint_type="full")),
+    # one process wrapped in FSDP2 all the same: what bench/gpu_check.sh runs on one GPU
+    "forced": (1, dict(force_fsdp=True, checkpoint_type="sharded")),
     # with a text sample at each eval: the model generates between training steps
     "full2": (2, dict(checkpoint_type="full", sample_tokens=8)),
     "sharded2": (2, dict(checkpoint_type="sharded", async_save=True, sample_tokens=8)),

@@ -31,6 +31,8 @@ def assert_one_line_error(result, *phrases):
     ({"n_embd": 64, "n_head": 5}, ["n_head=5 must divide n_embd=64"]),
     ({"sharding_strategy": "ZERO3"}, ["sharding_strategy 'ZERO3'"]),
     ({"fsdp_size": 0}, ["fsdp_size must be positive"]),
+    ({"dtype": "fp16", "cpu_offload": True}, ["dtype fp16", "with cpu_offload: true is not supported"]),
+    ({"force_fsdp": True, "fsdp": False}, ["force_fsdp: true needs fsdp: true"]),
     ({"optimizer": "sgd"}, ["optimizer 'sgd' is not one of adamw, muon"]),
     ({"arch": "mamba"}, ["arch 'mamba' is not one of gpt2, llama"]),
     ({"arch": "llama", "n_head": 4, "n_kv_head": 3}, ["n_kv_head=3 must divide n_head=4"]),

@@ -38,6 +38,16 @@ def test_same_size_resume_is_bitwise(kind, two_rank_runs, corpus, tmp_path):
     assert all(got[s] == expected[s] for s in got), (got, expected)  # bitwise
 
 
+def test_force_fsdp_sharded_checkpoint_resumes_bitwise(run_of, corpus, tmp_path):
+    """One process wrapped in FSDP2 (force_fsdp) saves DTensor shards and resumes them exactly."""
+    forced = run_of("forced")
+    got = resumed_losses(tmp_path, checkpoint_of(forced, "sharded", 3, rank=0), nproc=1, force_fsdp=True,
+                         checkpoint_type="sharded", **corpus)
+    expected = scalars(os.path.join(forced, "tb"), "train/loss")
+    assert sorted(got) == [4, 5, 6]
+    assert all(got[s] == expected[s] for s in got), (got, expected)  # bitwise
+
+
 @pytest.mark.parametrize("kind", ["full", "sharded"])
 @pytest.mark.parametrize("nproc, strategy", [(1, "FULL_SHARD"), (3, "FULL_SHARD"), (4, "HYBRID_SHARD")])
 def test_resume_on_another_world_size_and_strategy(kind, nproc, strategy, two_rank_runs, corpus, tmp_path):

@@ -12,17 +12,22 @@ import torch
 import yaml
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils._pytree import tree_leaves
+from torch.utils._python_dispatch import TorchDispatchMode
 
+import launch
 import metrics
 import model as model_module
+import muon
 import precision
 import train_fsdp
 from config import parse_args
 from conftest import DEMO, ROOT, trainer_cmd
 from data import prepare_data
+from evaluate import val_loss_sums
 from fsdp_ckpt import _placed, sharded_state
 from launch import Topology, backend_for, wrapping
 from loader import BatchLoader
+from mc_eval import Item, mc_sums
 from model import GPT, GPTConfig
 
 
@@ -144,11 +149,100 @@ def test_grouped_query_attention_avoids_the_math_kernel(monkeypatch):
     assert calls == [(2, True), (4, False)]  # 2 key/value heads grouped natively, then repeated to 4
 
 
-@pytest.mark.parametrize("name, flops", [("NVIDIA L40", 181e12), ("NVIDIA L4", 121e12), ("NVIDIA H100 PCIe", 756e12),
-                                         ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA Future GPU", None)])
-def test_mfu_table_matches_gpu_names_exactly(name, flops, monkeypatch):
+@pytest.mark.parametrize("name, bf16, fp32", [
+    ("NVIDIA L40", 181e12, 90.5e12), ("NVIDIA L4", 121e12, 60e12), ("NVIDIA H100 PCIe", 756e12, 378e12),
+    ("NVIDIA H100 80GB HBM3", 989e12, 494e12), ("NVIDIA H200", 989e12, 494e12), ("NVIDIA GH200 480GB", 989e12, 494e12),
+    ("NVIDIA B200", 2250e12, 1100e12), ("Tesla V100-SXM2-16GB", 125e12, 15.7e12), ("NVIDIA Future GPU", None, None)])
+def test_mfu_peak_by_exact_gpu_name_and_compute_dtype(name, bf16, fp32, monkeypatch):
+    """dtype: fp32 is measured against the TF32 peak (plain FP32 on V100 and T4), not bf16's."""
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
-    assert metrics.device_peak_flops(torch.device("cuda", 0)) == flops
+    cuda = torch.device("cuda", 0)
+    assert metrics.device_peak_flops(cuda, torch.bfloat16) == metrics.device_peak_flops(cuda, torch.float16) == bf16
+    assert metrics.device_peak_flops(cuda, torch.float32) == fp32
+
+
+def test_nccl_is_bound_to_its_gpu_unless_gloo_shares_the_group():
+    """cpu_offload's cuda:nccl,cpu:gloo group stays unbound: DeviceMesh then makes sub-groups with
+    new_group, not with split_group (which asserted on a two-backend parent in torch 2.8)."""
+    gpu = torch.device("cuda", 1)
+    assert launch.bound_device(gpu, launch.backend_for("cuda", cpu_offload=False)) == gpu
+    assert launch.bound_device(gpu, launch.backend_for("cuda", cpu_offload=True)) is None
+    assert launch.bound_device(torch.device("cpu"), "gloo") is None
+
+
+def test_newton_schulz_in_bf16_only_where_bf16_is_native(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)  # V100
+    assert not precision.native_bf16(torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)  # A100
+    assert precision.native_bf16(torch.device("cuda", 0)) and not precision.native_bf16(torch.device("cpu"))
+    g = torch.randn(32, 48, generator=torch.Generator().manual_seed(0))
+    fp32 = muon.orthogonalise(g.clone())
+    monkeypatch.setattr(muon, "native_bf16", lambda device: True)  # as on an A100: the iteration runs in bf16
+    bf16 = muon.orthogonalise(g.clone())
+    assert not torch.equal(bf16, fp32)
+    torch.testing.assert_close(bf16, fp32, atol=0.05, rtol=0.05)
+
+
+@pytest.mark.parametrize("wrap", ["none", "fsdp"])
+def test_soft_cap_runs_in_fp32_under_bf16(wrap, one_process_group):
+    """Under autocast (unwrapped) and FSDP's bf16 parameters alike, the LM head's bf16 logits are
+    capped in fp32."""
+    model, cfg, topo = built(wrap, "--logit_softcap=15")
+    gpt = getattr(model, "module", model)
+    head = []
+    gpt.lm_head.register_forward_hook(lambda module, args, out: head.append(out))
+    with train_fsdp.forward_context(cfg, topo)():
+        logits, _ = model(torch.randint(0, 256, (2, 16)))
+    assert head[0].dtype == torch.bfloat16 and logits.dtype == torch.float32
+    torch.testing.assert_close(logits, 15 * torch.tanh(head[0].float() / 15), rtol=0, atol=0)
+
+
+class HostToDevice(TorchDispatchMode):
+    """Counts the copies of host tensors to another device (the meta device stands in for a GPU)."""
+
+    def __init__(self):
+        super().__init__()
+        self.copies = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        sources = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if isinstance(out, torch.Tensor) and out.device.type == "meta" and any(t.device.type == "cpu" for t in sources):
+            self.copies += 1
+        return out
+
+
+def test_evaluation_copies_from_the_host_once_per_forward(corpus):
+    """Val loss: the rows of each micro-batch (the padding weights are made on the device);
+    multiple-choice: each forward's tokens, targets and mask in one copy."""
+    meta_device = torch.device("meta")
+    with meta_device:
+        gpt = GPT(GPTConfig(vocab_size=256, block_size=32, n_layer=1, n_head=2, n_embd=16))
+    meta = prepare_data(corpus["data_path"], yaml.safe_load(corpus["data_source"]), "bytes")
+    loader = BatchLoader({"data": (corpus["data_path"], meta)}, 32, 8, 2, 0, 1, 7, meta_device)
+    items = [Item(context=list(range(1, 4 + i)), choices=[[5, 6], [7] * (1 + i % 3)], label=i % 2) for i in range(6)]
+    with torch.no_grad(), HostToDevice() as counter:
+        val_loss_sums(gpt, loader, 8)
+        assert counter.copies == 4  # 8 windows in micro-batches of 2
+        mc_sums(gpt, items, 32, 2, 0, 1, meta_device)
+        assert counter.copies == 4 + 3  # 6 items, 2 a forward
+
+
+def test_multiple_choice_forwards_run_eager_under_compiled_blocks():
+    """Each new row width would compile a graph of its own (8 entries before torch gives up)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig(vocab_size=64, block_size=32, n_layer=1, n_head=2, n_embd=16))
+    for block in gpt.blocks:
+        block.compile(backend="eager")  # dynamo's capture without inductor: what is counted here
+    items = [Item(context=list(range(1, 3 + i)), choices=[[5, 6], [7] * (1 + i)], label=0) for i in range(4)]
+    graphs = torch._dynamo.utils.counters["stats"]
+    with torch.no_grad():
+        mc_sums(gpt, items, 32, 1, 0, 1, torch.device("cpu"))
+        assert graphs["unique_graphs"] == 0
+        gpt(torch.randint(0, 64, (1, 8)))  # outside the multiple-choice eval the blocks compile
+    assert graphs["unique_graphs"] > 0
+    torch._dynamo.reset()
 
 
 def test_srun_without_torchrun_is_refused(tmp_path):
@@ -164,17 +258,24 @@ def test_srun_without_torchrun_is_refused(tmp_path):
 @pytest.mark.slow
 def test_gpu_check_runs_as_is_and_writes_one_table(corpus, tmp_path):
     """bench/gpu_check.sh end to end at tiny size on the CPU (compile off: the plumbing, not the
-    compiler, is what is checked here): every run's row, the machine line, no GPU tests run."""
-    tiny = [f"--{k}={v}" for k, v in dict(n_layer=1, n_head=2, n_embd=32, block_size=32, train_batch=8, micro_batch=4,
-                                           max_iters=3, log_interval=1, eval_interval=3, eval_iters=1,
-                                           compile="false", **corpus).items()]
+    compiler, is what is checked here): every one-device row passes (the resume's first step
+    bitwise), the 2-GPU rows say why they did not run, the machine line ends the table."""
+    tiny = [f"--{k}={v}" for k, v in dict(n_layer=2, n_head=2, n_embd=32, block_size=32, train_batch=8, micro_batch=4,
+                                           max_iters=4, warmup_iters=1, lr_decay_iters=4, log_interval=1,
+                                           eval_interval=4, eval_iters=1, save_interval=2, compile="false",
+                                           **corpus).items()]
     result = subprocess.run(["bash", os.path.join(ROOT, "bench", "gpu_check.sh"), *tiny], capture_output=True,
                             text=True, timeout=600, env=dict(os.environ, GPU_CHECK_DIR=str(tmp_path), PYTHON=sys.executable))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     table = (tmp_path / "table.md").read_text().splitlines()
-    assert table[:2] == ["| run | tok/s | MFU | peak memory, GB | train loss, last step |", "| --- | --- | --- | --- | --- |"]
-    runs = ["demo", "gpt2_90M", "gpt2_90M_compile", "llama_124M_muon", "llama_124M_muon_compile"]
-    assert [line.split(" | ")[0][2:] for line in table[2:7]] == runs
-    assert all(line.endswith("(step 3) |") and "failed" not in line for line in table[2:7])
-    assert table[8].endswith(f"no GPU, 0 GPU(s), torch {torch.__version__}, CUDA {torch.version.cuda}. GPU tests: "
-                             f"not run: torch sees no GPU")
+    assert table[:2] == ["| run | what it runs | tok/s | MFU | peak memory, GB | result |",
+                         "| --- | --- | --- | --- | --- | --- |"]
+    rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in table[2:12]}
+    for name in ("fsdp_bf16", "fsdp_resume", "fsdp_compile", "recipe_muon", "demo"):
+        assert rows[name][-1] == "pass |" and rows[name][2], rows[name]
+    for name in ("one_gpu_fp32", "2gpu_fp32", "2gpu_hybrid", "2gpu_no_shard", "2gpu_offload"):
+        assert rows[name][-1] == "not run: needs 2 GPUs, found 0 |"
+    assert "mesh (shard=1)" in (tmp_path / "fsdp_bf16.log").read_text()  # wrapped in FSDP2 at one process
+    assert "resumed from" in (tmp_path / "fsdp_resume.log").read_text()
+    assert table[13].endswith(f"no GPU, 0 GPU(s), torch {torch.__version__}, CUDA {torch.version.cuda}. GPU tests: "
+                              f"not run: torch sees no GPU")

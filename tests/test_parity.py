@@ -55,6 +55,12 @@ def test_two_ranks_match_one_process(single_process, run_of):
     assert_parity(single_process, run_dir)
 
 
+def test_one_process_wrapped_by_force_fsdp_matches_the_unwrapped_one(single_process, run_of):
+    run_dir = run_of("forced")
+    assert "1 ranks, FULL_SHARD, mesh (shard=1), gradient accumulation 12" in printed(run_dir)
+    assert_parity(single_process, run_dir)
+
+
 def test_standalone_evaluation_matches_the_four_rank_log(run_of):
     run_dir = run_of("FULL_SHARD")
     logged = scalars(os.path.join(run_dir, "tb"), "val/loss")[STEPS]
