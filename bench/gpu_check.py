@@ -20,6 +20,8 @@ import datetime
 import glob
 import os
 import re
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -85,10 +87,10 @@ def resumes(original: str) -> Callable[[Check, str], str | None]:
         whole, resumed = losses(c, original), losses(c, name)
         if not resumed:
             return "no resumed steps logged"
-        first = min(resumed)
-        if resumed[first] != whole.get(first):
+        first = int(re.search(r"cpt(\d+)_", first_checkpoint(c, original)).group(1)) + 1
+        if first not in resumed or resumed[first] != whole.get(first):
             return f"step {first}: loss {resumed[first]!r} after the resume, {whole.get(first)!r} uninterrupted"
-        off = [s for s in resumed if abs(resumed[s] - whole[s]) > 1e-3 * abs(whole[s])]
+        off = [s for s in resumed if s not in whole or abs(resumed[s] - whole[s]) > 1e-3 * abs(whole[s])]
         return f"steps {off} differ by more than 1e-3" if off else None
     return check
 
@@ -125,12 +127,14 @@ def mc_file(check: Check) -> str:
 
 
 ROWS = [
+    # both log every step: the resumed run's first step is the one compared bitwise
     Row("fsdp_bf16", "GPT-2 90M, force_fsdp: FSDP2 bf16 mixed precision, eager; async sharded saves; "
         "multiple-choice eval", lambda c: GPT2 + FSDP + ["--async_save=true", "--checkpoint_type=sharded",
-                                                         "--save_interval=10", f"--mc_eval_path={mc_file(c)}"],
-        check=mc_scored),
+                                                         "--save_interval=10", "--log_interval=1",
+                                                         f"--mc_eval_path={mc_file(c)}"], check=mc_scored),
     Row("fsdp_resume", "fsdp_bf16 resumed from its first sharded save: first step bitwise, then within 1e-3",
-        lambda c: GPT2 + FSDP + ["--checkpoint_type=sharded", f"--resume_from={first_checkpoint(c, 'fsdp_bf16')}"],
+        lambda c: GPT2 + FSDP + ["--checkpoint_type=sharded", "--log_interval=1",
+                                 f"--resume_from={first_checkpoint(c, 'fsdp_bf16')}"],
         check=resumes("fsdp_bf16"), cap=120),
     Row("fsdp_compile", "fsdp_bf16's run with its blocks compiled under FSDP's hooks",
         GPT2 + FSDP + ["--compile=true"], check=learns),
@@ -165,6 +169,41 @@ def failure(log: str, code: int) -> str:
     return f"exit {code}: " + (errors or lines or ["no output"])[-1][:160]
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process under pid (torchrun starts its workers in sessions of their own: a process
+    group kill would not reach them)."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+        except (OSError, ValueError):
+            continue
+    found, todo = [], [pid]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found += below
+        todo += below
+    return found
+
+
+def run_logged(cmd: list[str], log_path: str, timeout: float) -> int | None:
+    """Run cmd with its output in log_path; its exit code, or None when it ran out of time (it and
+    every process under it are then killed)."""
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            return process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for pid in [*descendants(process.pid), process.pid]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            process.wait()
+            return None
+
+
 def run_row(check: Check, row: Row, gpus: int) -> dict:
     result = {"row": row, "log": check.run_dir(row.name) + ".log"}
     if gpus < row.gpus:
@@ -173,17 +212,14 @@ def run_row(check: Check, row: Row, gpus: int) -> dict:
     if timeout < 20:
         return result | {"result": "not run: the time budget is spent (GPU_CHECK_BUDGET)"}
     folder = check.run_dir(row.name)
+    shutil.rmtree(folder, ignore_errors=True)  # a rerun starts clean (a resume refuses newer checkpoints)
     args = row.args(check) if callable(row.args) else row.args
     launcher = [sys.executable] if row.nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={row.nproc}"]
     cmd = launcher + ["train_fsdp.py", *args, f"--checkpoint_dir={folder}/ckpt", f"--tensorboard_dir={folder}/tb",
                       *check.extra]
     print(f"== {row.name} ({timeout:.0f} s at most)", flush=True)
-    with open(result["log"], "w") as log:
-        try:
-            code = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=timeout).returncode
-        except subprocess.TimeoutExpired:
-            code = None
+    code = run_logged(cmd, result["log"], timeout)
     with open(result["log"]) as f:
         text = f.read()
     if code is None:
@@ -220,14 +256,11 @@ def gpu_tests(check: Check) -> str:
     if check.left() < 60:
         return "not run: the time budget is spent (GPU_CHECK_BUDGET)"
     print("== GPU tests", flush=True)
-    with open(os.path.join(check.dir, "gpu_tests.log"), "w") as log:
-        try:
-            subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "-o",
-                            "addopts=", "tests/"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                           timeout=check.left())
-        except subprocess.TimeoutExpired:
-            return f"cut at the time budget ({check.budget:.0f} s): see {log.name}"
-    with open(log.name) as f:
+    log = os.path.join(check.dir, "gpu_tests.log")
+    if run_logged([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "-o", "addopts=",
+                   "tests/"], log, check.left()) is None:
+        return f"cut at the time budget ({check.budget:.0f} s): see {log}"
+    with open(log) as f:
         return f.read().strip().splitlines()[-1]
 
 
