@@ -9,8 +9,10 @@ Sharded: fsdp_sharded_cpt{step}_rank{r}.pth, one per rank: each parameter's and 
 
 Nothing here needs a process group: sample.py, export_hf.py and consolidation read sets offline.
 """
+import errno
 import os
 import re
+import shutil
 import zlib
 
 import torch
@@ -57,13 +59,62 @@ def _crc32(obj) -> int:
     return crc
 
 
+class WriteFailed(UserError):
+    """A checkpoint file that could not be written (no space, quota, file too large, I/O error)."""
+
+
+class _WriteThrough:
+    """What torch.save writes into: every byte goes straight to the OS, and the OS's refusal is
+    kept, since torch's zip writer reports it only as an "unexpected pos"."""
+
+    def __init__(self, fd: int):
+        self.fd, self.error = fd, None
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        try:
+            while view:
+                view = view[os.write(self.fd, view):]
+        except OSError as e:
+            self.error = e
+            raise
+        return len(data)
+
+    def flush(self) -> None:
+        pass
+
+
+def _megabytes(n: int) -> str:
+    return f"{n / 1e6:,.1f} MB"
+
+
+def _write_failure(path: str, error: BaseException, obj: dict) -> str:
+    """One line: the file, the OS's reason, and for a full disk the bytes needed and free."""
+    if isinstance(error, OSError) and error.errno:
+        reason = f"{os.strerror(error.errno)} (errno {error.errno})"
+        if error.errno == errno.ENOSPC:
+            needed = sum(t.numel() * t.element_size() for t in tree_leaves(obj) if isinstance(t, torch.Tensor))
+            reason += (f": it needs about {_megabytes(needed)}, "
+                       f"{_megabytes(shutil.disk_usage(os.path.dirname(path) or '.').free)} free there")
+    else:
+        reason = str(error).splitlines()[0][:160] if str(error) else type(error).__name__
+    return f"writing checkpoint {path} failed: {reason}"
+
+
 def save_atomically(obj: dict, path: str) -> None:
-    """Temp file, fsync, rename: the final name only ever holds a complete file."""
+    """Temp file, fsync, rename: the final name only ever holds a complete file. A failed write
+    removes its temp file and raises WriteFailed naming the file and the OS's reason."""
     tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
-        torch.save(obj | {"crc32": _crc32(obj)}, f)
-        f.flush()
-        os.fsync(f.fileno())
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    out = _WriteThrough(fd)
+    try:
+        torch.save(obj | {"crc32": _crc32(obj)}, out)
+        os.fsync(fd)
+    except Exception as e:  # noqa: BLE001 - torch's writer or the OS: reported with the OS's reason
+        os.close(fd)
+        os.remove(tmp)
+        raise WriteFailed(_write_failure(path, out.error or e, obj)) from None
+    os.close(fd)
     os.replace(tmp, path)
     dir_fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
     try:

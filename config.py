@@ -150,6 +150,11 @@ class TrainConfig:
     sample_tokens: int = key(64, "tokens of text sampled at each eval into TensorBoard (0: none)")
     tensorboard_dir: str = key("tensorboard", "where TensorBoard events go")
     seed: int = key(1337, "initial weights, the data order and dropout masks follow from it")
+    init_timeout: float = key(900.0, "seconds start-up (after data preparation), the first step (compilation), "
+                                     "each eval and each save may take before the run stops as hung "
+                                     "(docs/reliability.md)")
+    collective_timeout: float = key(300.0, "seconds any other training step, its collectives included, may take "
+                                           "before the run stops as hung, naming the ranks that did not arrive")
 
     @property
     def model_shape(self) -> dict:
@@ -159,7 +164,8 @@ class TrainConfig:
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 # each group's first key, in the dataclass's order: --help and docs/config.md list the keys so
 GROUPS = {"arch": "model", "data_path": "data", "train_batch": "batch", "optimizer": "optimizer and schedule",
-          "fsdp": "distribution and precision", "checkpoint_dir": "checkpoints", "log_interval": "logging"}
+          "fsdp": "distribution and precision", "checkpoint_dir": "checkpoints", "log_interval": "logging",
+          "init_timeout": "failures"}
 
 
 def grouped_keys() -> dict[str, list[dataclasses.Field]]:
@@ -344,6 +350,9 @@ def validate(cfg: TrainConfig) -> None:
     require(cfg.mc_eval_path is None or (cfg.mc_eval_path and all(
         isinstance(k, str) and isinstance(v, str) for k, v in cfg.mc_eval_path.items())),
         f"mc_eval_path must be a path or {{name: path, ...}}, got {cfg.mc_eval_path!r}")
+    require(cfg.init_timeout > 0 and cfg.collective_timeout > 0,
+            f"init_timeout and collective_timeout must be positive seconds, got {cfg.init_timeout} and "
+            f"{cfg.collective_timeout}")
     require(cfg.max_skipped_steps >= 1, f"max_skipped_steps must be 1 or more, got {cfg.max_skipped_steps}")
     validate_mixture(cfg)
 

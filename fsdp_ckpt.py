@@ -21,10 +21,11 @@ from torch.utils._pytree import tree_map_only
 from ckpt_format import (
     FULL_OPTIONS, LOAD_OPTIONS, SHARD_RE, CorruptCheckpoint, check_model_shape, complete_checkpoints, consolidate,
     fill_local, full_path, host_copy, is_first_replica, load_file, local_slice, marker_path, open_rank_files,
-    piece_of, read_marker, read_sharded, save_atomically, shard_path, zero_rows)
+    piece_of, read_marker, read_sharded, save_atomically, shard_path, zero_rows, WriteFailed)
 from ckpt_index import build_index, check_file, check_whole, files_to_open, layout, wanted_rows
 from config import RunStopped, UserError, exit_code, to_dict
 from launch import agree
+from run_lock import RunLock
 
 
 def _parameter_names(model) -> dict:
@@ -57,8 +58,10 @@ def _write(writes: list, pending: dict) -> None:
     try:
         for obj, path in writes:
             save_atomically(obj, path)
-    except Exception as e:  # any failure, reported on the training thread by CheckpointManager.wait()
-        pending["error"] = e
+    except WriteFailed as e:  # reported on the training thread by CheckpointManager.wait()
+        pending["error"] = str(e)
+    except Exception as e:  # noqa: BLE001 - likewise, with its type
+        pending["error"] = f"writing checkpoint {pending['path']} failed: {type(e).__name__}: {e}"
 
 
 def _placed(value: torch.Tensor, key: str, p: torch.Tensor, group: dict) -> torch.Tensor:
@@ -75,9 +78,16 @@ class CheckpointManager:
         self._pending = None  # the save being written: step, paths, thread, error
         self.last_saved = None  # this rank's file of the newest finished save, or the one resumed from
         self.train_state = {}  # the resumed checkpoint's train_state, on every rank
+        self.failed = None  # why the newest save failed (None: it succeeded), on every rank
         # every rank that writes makes the folder: on node-local disks each node needs its own
         writes = topo.is_main or cfg.checkpoint_type == "sharded"
         agree(lambda: os.makedirs(self.dir, exist_ok=True) if writes else None)
+        # one run per folder: rank 0 holds it before anything in it is read or written
+        note = agree(lambda: RunLock(self.dir).acquire() if topo.is_main else None)
+        if note:
+            print(f"note: {note}", flush=True)
+        if topo.device.type == "cuda":  # where NCCL's flight recorder dumps on a timeout (watchdog.py)
+            agree(lambda: os.makedirs(os.path.join(self.dir, "hang"), exist_ok=True))
 
     # ---- saving ----
     def _header(self, step: int, data_state: dict | None) -> dict:
@@ -131,21 +141,36 @@ class CheckpointManager:
             return
         if "thread" in pending:
             pending["thread"].join()
-        def check():
-            if pending["error"]:
-                raise UserError(f"writing checkpoint {pending['path']} failed: {pending['error']}")
-        agree(check)  # a failed write on any rank stops every rank, none left in a barrier
+        errors = [None] * self.topo.world_size  # every rank learns whether any rank's write failed
+        dist.all_gather_object(errors, pending["error"])
+        failed = [e for e in errors if e]
+        if failed:
+            self._discard(pending, failed)
+            return
+        self.failed = None
         if pending["marker"]:
-            # after agree(): every rank's file is renamed into place before the marker says so
+            # after the gather above: every rank's file is renamed into place before the marker says so
             layouts = [None] * self.topo.world_size if self.topo.is_main else None
             dist.gather_object(pending["layout"], layouts, dst=0)
-            if self.topo.is_main:
-                save_atomically({"step": pending["step"], "world_size": self.topo.world_size,
-                                 "index": build_index(layouts)}, pending["marker"])
+            agree(lambda: save_atomically({"step": pending["step"], "world_size": self.topo.world_size,
+                                           "index": build_index(layouts)}, pending["marker"]) if self.topo.is_main
+                  else None)  # a disk too full for the marker's few bytes stops every rank
         self.last_saved = pending["path"]
         if self.topo.is_main:
             print(f"saved checkpoint {pending['marker'] or pending['path']}", flush=True)
         self._prune(pending["step"])
+
+    def _discard(self, pending: dict, failed: list[str]) -> None:
+        """A failed save: the files of it that did get written go too (an incomplete sharded set holds
+        space and is never visible), earlier checkpoints stay, and training goes on: the next save
+        tries again (close() stops the run if the last one failed)."""
+        if pending["marker"] and os.path.exists(pending["path"]):
+            os.remove(pending["path"])
+        others = f" (and {len(failed) - 1} more ranks' files)" if len(failed) > 1 else ""
+        self.failed = f"{failed[0]}{others}"
+        if self.topo.is_main:
+            print(f"warning: {self.failed}; training goes on and the next save tries again. Last good checkpoint: "
+                  f"{self.last_saved or 'none yet'}", flush=True)
 
     def _prune(self, saved_step: int) -> None:
         """Keep the keep_last newest checkpoints up to the one just saved; never a newer one."""
@@ -161,8 +186,13 @@ class CheckpointManager:
                     os.remove(path)
 
     def close(self) -> None:
+        """Finish the last save; a run whose last save failed stops with exit 1 (its newest steps
+        exist nowhere else)."""
         self.wait()
         dist.barrier()
+        if self.failed:
+            raise RunStopped(f"{self.failed}: the run's last save failed. Last good checkpoint: "
+                             f"{self.last_saved or 'none'} (--resume_from=latest continues from it)")
 
     # ---- resuming ----
     def resume(self, resume_from: str | None, model, optimizer) -> int:

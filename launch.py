@@ -18,7 +18,6 @@ import os
 import sys
 import traceback
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Callable, NoReturn
 
 import torch
@@ -27,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from config import UserError, exit_code
 from precision import pick_device
+from watchdog import nccl_failure_settings, process_group_timeout
 
 # strategy -> (mesh layout, reshard parameters after forward)
 STRATEGY_TABLE = {
@@ -48,6 +48,7 @@ class Topology:
     device: torch.device
     wrap: str  # "fsdp", "ddp" or "none": see wrapping()
     mesh: DeviceMesh | None  # None unless wrap == "fsdp"
+    store: dist.Store | None = None  # the group's store (the watchdog's channel)
 
     @property
     def is_main(self) -> bool:
@@ -96,19 +97,23 @@ def init_distributed(cfg) -> Topology:
     local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     device = pick_device(local_rank)
     backend = backend_for(device.type, cfg.cpu_offload)
+    if device.type == "cuda":  # read by NCCL's process group when it is made
+        for name, value in nccl_failure_settings(cfg.checkpoint_dir).items():
+            os.environ.setdefault(name, value)
+    timeout = process_group_timeout(cfg)  # a backstop: the watchdog bounds each phase
     if "MASTER_ADDR" in os.environ:
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
                               is_master=rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True",
-                              timeout=timedelta(minutes=30))
+                              timeout=timeout)
         # a restarted group gets fresh keys: stale peer addresses of the last attempt break gloo
         store = dist.PrefixStore(f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}", store)
     else:  # plain `python train_fsdp.py`: a group of one
         store = dist.HashStore()
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timedelta(minutes=30),
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout,
                             device_id=bound_device(device, backend))
     wrap = wrapping(cfg, world)
     return Topology(rank, world, local_rank, local_world, device, wrap,
-                    build_mesh(cfg, world, local_world, device, wrap))
+                    build_mesh(cfg, world, local_world, device, wrap), store)
 
 
 def build_mesh(cfg, world: int, local_world: int, device: torch.device, wrap: str) -> DeviceMesh | None:
@@ -152,24 +157,25 @@ def agree(fn):
 
 
 def run_entry_point(body: Callable[[], int | None]) -> NoReturn:
-    """Run `body`, then leave with its exit code: 0 (or None) finished, 2 bad input, 1 anything else.
+    """Run `body`, then leave with its exit code: what it returns (None: 0), 2 bad input, 1 anything else.
 
-    Finished: every rank meets at a barrier (no rank closes its connections while a peer still
+    Returned: every rank meets at a barrier (no rank closes its connections while a peer still
     reads from them), then the group is destroyed. Failed: no collective (peers may be anywhere);
     this process leaves at once, and its closed connections make gloo peers' collectives fail
     (under torchrun the agent stops the others). Either way atexit handlers run while other
     threads may still take the GIL, output is flushed, and the process ends without finalisation.
     """
+    returned = []  # the body returned (any exit code): every rank is at the same point
     try:
         # every rank raises the same UserError (config checks run everywhere; launch.agree makes a
         # rank's own failure everyone's): rank 0 alone prints it, so the user reads one line
-        code = exit_code(body, report=os.environ.get("RANK", "0") == "0")
+        code = exit_code(lambda: returned.append(body()) or returned[0], report=os.environ.get("RANK", "0") == "0")
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except BaseException:  # noqa: BLE001 - the traceback is printed; the exit code says it failed
         traceback.print_exc()
         code = 1
-    if code == 0 and dist.is_initialized():
+    if returned and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
     atexit._run_exitfuncs()

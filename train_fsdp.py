@@ -6,7 +6,6 @@ activation checkpointing -> compile -> fully_shard per DecoderBlock, then the ro
 weights initialised on rank 0 and broadcast into the shards -> optimizer -> resume -> loop.
 """
 import math
-import signal
 import sys
 
 import torch
@@ -31,6 +30,8 @@ from model import GPT, GPTConfig
 from muon import MuonWithAdamW, is_muon_matrix
 from precision import DTYPES, autocast, check_offload, compute_dtype
 from schedule import lr_at
+from stop import StopRequest
+from watchdog import Watchdog
 from sample import complete
 
 def initial_state(cfg, gpt_cfg: GPTConfig) -> dict:
@@ -129,27 +130,6 @@ def build_optimizer(cfg, gpt: GPT, device: torch.device) -> torch.optim.Optimize
     return OPTIMIZERS[cfg.optimizer](cfg, gpt, device)
 
 
-class StopSignal:
-    """SIGTERM (what schedulers send before preemption) asks for a checkpoint and a clean exit.
-
-    Checked on log steps only, where the loop syncs with the host anyway: every rank stops
-    after the same step, and steps between logs queue work without waiting for the host.
-    """
-
-    def __init__(self):
-        self.received = False
-        signal.signal(signal.SIGTERM, self._on_signal)
-
-    def _on_signal(self, signum, frame) -> None:
-        self.received = True
-
-    def agreed(self, device: torch.device) -> bool:
-        # a collective: ranks see the signal at different moments, all stop together
-        flag = torch.tensor([float(self.received)], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return flag.item() > 0
-
-
 def set_gradient_sync(model: torch.nn.Module, enabled: bool) -> None:
     """Reduce gradients only on the last micro-step: one reduction per optimizer step."""
     if isinstance(model, DistributedDataParallel):
@@ -245,7 +225,7 @@ def data_state(loader: BatchLoader, step: int) -> dict:
 
 
 def train(cfg) -> None:
-    stop_signal = StopSignal()  # first: a preemption during start-up still ends with a checkpoint
+    stop = StopRequest()  # first: a preemption or Ctrl-C during start-up still ends with a checkpoint
     topo = init_distributed(cfg)
     rank, world, device = topo.rank, topo.world_size, topo.device
     if cfg.train_batch % (cfg.micro_batch * world):
@@ -256,6 +236,8 @@ def train(cfg) -> None:
     check_offload(dtype, cfg.cpu_offload)
     # each rank reads the data itself (node-local disks): a failure on one stops every rank
     sources = agree(lambda: prepare_sources(cfg.data_mix, cfg.data_path, cfg.data_source, cfg.tokenizer))
+    watchdog = Watchdog(topo, cfg.checkpoint_dir)  # data preparation, which may take hours, is not bounded
+    watchdog.arm("start-up", cfg.init_timeout, "init_timeout")
     meta = next(iter(sources.values()))[1]
     if topo.is_main and meta["tokenizer"] != cfg.tokenizer:
         print(f"note: the data was prepared with tokenizer '{meta['tokenizer']}', which is used instead of "
@@ -292,8 +274,13 @@ def train(cfg) -> None:
     if step == 0:
         log.val(0, *evaluate(model, gpt, loader, cfg, tokenizer, mc_sets, compute))
     log.start(step)
+    first_step = step + 1
+    stop.listen()
     while step < cfg.max_iters:
         step += 1
+        # the first step compiles and warms up: start-up's bound; every later one: collective_timeout
+        watchdog.arm(f"step {step}", *((cfg.init_timeout, "init_timeout") if step == first_step
+                                        else (cfg.collective_timeout, "collective_timeout")))
         lr = lr_at(cfg, step)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -318,22 +305,28 @@ def train(cfg) -> None:
             log.train(step, loss_sum.item() / (accum_steps * world), lr, grad_norm.item(),
                       per_rank_memory(model, optimizer, device), guard.skipped_steps(), loader.read(step))
             guard.stop_if_too_many(loader.position(step), ckpt.last_saved)
-            if stop_signal.agreed(device):
-                # the checkpoint first, no eval or text sample: the grace period before SIGKILL is short
-                ckpt.save(step, model, optimizer, data_state(loader, step))
-                if topo.is_main:
-                    print(f"SIGTERM: stopped after step {step} with its checkpoint saved", flush=True)
-                break
+        if request := stop.agreed():
+            # the checkpoint first, no eval or text sample: the grace period before SIGKILL is short
+            watchdog.arm(f"the save of step {step}", cfg.init_timeout, "init_timeout")
+            ckpt.save(step, model, optimizer, data_state(loader, step))
+            if topo.is_main:
+                print(f"{request}: stopped after step {step} with its checkpoint saved", flush=True)
+            break
         if step % cfg.eval_interval == 0 or last:
+            watchdog.arm(f"the eval at step {step}", cfg.init_timeout, "init_timeout")
             log.val(step, *evaluate(model, gpt, loader, cfg, tokenizer, mc_sets, compute))
             log.start(step)  # tokens/s and ETA count training time only
         if step % cfg.save_interval == 0 or last:
+            watchdog.arm(f"the save of step {step}", cfg.init_timeout, "init_timeout")
             ckpt.save(step, model, optimizer, data_state(loader, step))
             log.start(step)
+    watchdog.arm("the last save", cfg.init_timeout, "init_timeout")
     ckpt.close()
     log.close(per_rank_memory(model, optimizer, device))
+    watchdog.close()
     if topo.is_main:
         print(f"done: last checkpoint {ckpt.last_saved}, TensorBoard logs in {cfg.tensorboard_dir}/", flush=True)
+    return stop.close()
 
 
 if __name__ == "__main__":

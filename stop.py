@@ -1,0 +1,66 @@
+"""Stopping on request: SIGTERM (what schedulers send before preemption) and Ctrl-C (SIGINT).
+
+The first of either asks every rank to stop with a checkpoint at a step boundary; a second Ctrl-C
+stops this process at once, without one. One line each, no traceback. Exit codes: 0 after
+SIGTERM (the job is done as far as a scheduler is concerned), 130 after Ctrl-C (128 + SIGINT,
+the shell's "interrupted").
+
+Ranks see a signal at different moments, so they agree through a collective, at no cost to the
+step: at every step boundary each rank starts an all-reduce (MAX) of its flag on a gloo group of
+its own, without waiting for it, and reads the result of the one started a step earlier. Every
+rank reads the same value at the same boundary, so all stop after the same step: the step after
+the one the signal arrived in at the latest. No GPU sync, no wait on the host: the exchange is
+long done when its result is read.
+"""
+import os
+import signal
+import sys
+
+import torch
+import torch.distributed as dist
+
+REQUESTS = {1: ("SIGTERM", 0), 2: ("Ctrl-C", 130)}  # what the ranks exchange: (the name, the exit code)
+
+
+class StopRequest:
+    def __init__(self):
+        self.received = None  # "SIGTERM" or "Ctrl-C": the first request
+        self.group = self.flag = self.work = self.agreed_on = None
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        name = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
+        if self.received == "Ctrl-C" and name == "Ctrl-C":
+            if os.environ.get("RANK", "0") == "0":
+                sys.stderr.write("Ctrl-C again: stopped at once, without a checkpoint (--resume_from=latest continues "
+                                 "from the last one)\n")
+            sys.stderr.flush()
+            os._exit(130)
+        self.received = self.received or name
+
+    def listen(self) -> None:
+        """Right before the first step, on every rank (collectives): the exchange of what start-up
+        received is read after the first step."""
+        self.group = dist.new_group(backend="gloo")
+        self._exchange()
+
+    def _exchange(self) -> None:
+        mine = next((code for code, (name, _) in REQUESTS.items() if name == self.received), 0)
+        self.flag = torch.tensor([mine], dtype=torch.int32)
+        self.work = dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+
+    def agreed(self) -> str | None:
+        """At a step boundary, on every rank: the request every rank agreed on ("SIGTERM" or
+        "Ctrl-C"; None: go on), from the exchange started at the previous boundary."""
+        self.work.wait()
+        self.agreed_on = REQUESTS.get(int(self.flag.item()))
+        self._exchange()
+        return self.agreed_on and self.agreed_on[0]
+
+    def close(self) -> int:
+        """Finish the exchange in flight (every rank started as many); the exit code: the agreed
+        request's, 0 for a run that ran to its end."""
+        if self.work is not None:
+            self.work.wait()
+        return self.agreed_on[1] if self.agreed_on else 0

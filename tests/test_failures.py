@@ -1,0 +1,182 @@
+"""Runs that go wrong (docs/reliability.md): a rank that stops, deadlocks or blocks costs a bound and
+names itself; one run per checkpoint folder; a full disk during a save; Ctrl-C; a lost node."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import run_lock
+from conftest import DEMO, ROOT, RUN, TINY, overrides, run_trainer, scalars
+from config import UserError
+
+PROBE = os.path.join(ROOT, "tests", "hang_probe.py")
+
+
+def error_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("error: ")]
+
+
+# ---- a rank that stops, deadlocks or blocks ----
+@pytest.mark.slow
+@pytest.mark.parametrize("mode, named", [
+    ("stop", "rank 1 did not arrive: no answer (stopped, dead or unreachable)"),
+    ("deadlock", "rank 1 did not arrive: stuck at tests/hang_probe.py:"),
+    ("io", "rank 1 did not arrive: stuck at tests/hang_probe.py:")])
+def test_a_hung_rank_is_named_and_every_rank_leaves(mode, named, corpus, tmp_path):
+    started = time.monotonic()
+    result = run_trainer(str(tmp_path), nproc=2, script=PROBE, check=False, timeout=120, collective_timeout=3,
+                         max_iters=20, save_interval=2, env=dict(HANG=mode, HANG_RANK="1", HANG_STEP="5"), **corpus)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert time.monotonic() - started < 3 + 60
+    errors = error_lines(result.stderr)
+    assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert errors[0].startswith("error: step 5 overran collective_timeout=3 s: rank 0 waits in "), errors[0]
+    assert named in errors[0]
+    hang = tmp_path / "ckpt" / "hang"
+    stacks = sorted(os.listdir(hang))
+    assert stacks == (["stacks_rank0_attempt0.txt"] if mode == "stop" else
+                      ["stacks_rank0_attempt0.txt", "stacks_rank1_attempt0.txt"])
+    assert "train_fsdp.py" in (hang / "stacks_rank0_attempt0.txt").read_text()  # every thread's stack
+    if mode != "stop":  # the stuck rank's own stack shows where it is
+        assert "in hang" in (hang / "stacks_rank1_attempt0.txt").read_text()
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_under_torchrun_restarts_from_latest_and_finishes(corpus, tmp_path):
+    """SIGSTOP on rank 1 at step 7 of the first attempt: the watchdog ends it, torchrun restarts the
+    job, which resumes from the step-6 checkpoint and ends as the run without the hang does."""
+    run = RUN | corpus | dict(max_iters=12, save_interval=2, collective_timeout=3)
+    (tmp_path / "uninterrupted").mkdir()
+    run_trainer(str(tmp_path / "uninterrupted"), nproc=2, **run)
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                "--max-restarts=1", PROBE]
+    settings = TINY | run | dict(resume_from="latest", checkpoint_dir=str(tmp_path / "ckpt"),
+                                 tensorboard_dir=str(tmp_path / "tb"))
+    result = subprocess.run(launcher + [DEMO] + overrides(**settings), cwd=tmp_path, capture_output=True, text=True,
+                            timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1", HANG="stop", HANG_RANK="1",
+                                                  HANG_STEP="7"))
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "error: step 7 overran collective_timeout=3 s" in result.stderr
+    assert f"resumed from {tmp_path / 'ckpt' / 'fsdp_cpt6.pth'} at step 6" in result.stdout
+    expected = scalars(str(tmp_path / "uninterrupted" / "tb"), "train/loss")
+    assert scalars(str(tmp_path / "tb"), "train/loss")[12] == expected[12]
+
+
+# ---- one run per checkpoint folder ----
+def hold(directory, **holder) -> None:
+    """A lock file as another run would have left it."""
+    me = dict(host=socket.gethostname(), pid=os.getpid(), token="other", since="2026-11-24 08:00:00 UTC", run="",
+              attempt=0) | holder
+    with open(os.path.join(directory, run_lock.NAME), "w") as f:
+        json.dump(me, f)
+
+
+def test_a_live_holder_is_refused_naming_it(tmp_path):
+    holder = run_lock.RunLock(str(tmp_path), renew_every=0.2)
+    assert holder.acquire() is None
+    with pytest.raises(UserError, match=rf"{tmp_path}/ is held by a live run: host {socket.gethostname()}, pid "
+                                        rf"{os.getpid()}, since .* UTC"):
+        run_lock.RunLock(str(tmp_path), renew_every=0.2, stale_after=30).acquire()
+    holder.release()
+    assert not os.listdir(tmp_path)
+    second = run_lock.RunLock(str(tmp_path))
+    assert second.acquire() is None  # released: taken at once
+    second.release()
+
+
+def test_a_dead_process_on_this_host_is_taken_over_at_once(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    hold(tmp_path, pid=int(dead.stdout))
+    started = time.monotonic()
+    note = run_lock.RunLock(str(tmp_path), stale_after=30).acquire()
+    assert time.monotonic() - started < 2
+    assert f"its process {dead.stdout.strip()} on this host is gone" in note
+
+
+def test_an_earlier_attempt_of_the_same_torchrun_job_is_taken_over_at_once(tmp_path, monkeypatch):
+    hold(tmp_path, host="node-7", run="job42", attempt=0)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job42")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert "it was attempt 0 of this torchrun job" in run_lock.RunLock(str(tmp_path), stale_after=30).acquire()
+
+
+def test_a_holder_on_another_host_is_judged_by_its_renewals(tmp_path):
+    """Age on the folder's own clock: an old hold is taken at once; a young one is watched, and taken
+    once it ages past stale_after without a renewal."""
+    hold(tmp_path, host="node-7")
+    old = time.time() - 100
+    os.utime(tmp_path / run_lock.NAME, (old, old))
+    assert "not renewed for 100 s" in run_lock.RunLock(str(tmp_path), stale_after=60).acquire()
+    os.remove(tmp_path / run_lock.NAME)
+    hold(tmp_path, host="node-7")
+    started = time.monotonic()
+    assert "not renewed for 2 s" in run_lock.RunLock(str(tmp_path), stale_after=2).acquire()
+    assert 1 < time.monotonic() - started < 5
+
+
+@pytest.mark.slow
+def test_a_second_run_into_a_held_folder_is_refused_before_it_reads_anything(corpus, tmp_path):
+    (tmp_path / "ckpt").mkdir()
+    holder = run_lock.RunLock(str(tmp_path / "ckpt"))
+    holder.acquire()
+    result = run_trainer(str(tmp_path), check=False, resume_from="latest", **corpus)
+    holder.release()
+    assert result.returncode == 2
+    errors = error_lines(result.stderr)
+    assert len(errors) == 1 and f"{tmp_path / 'ckpt'}/ is held by a live run: host {socket.gethostname()}" in errors[0]
+    assert os.listdir(tmp_path / "ckpt") == [] and "resumed" not in result.stdout
+
+
+# ---- a failed write during a save ----
+@pytest.fixture
+def small_disk(tmp_path):
+    """A tmpfs of 3 MB (root, as on the CI machine): room for a few tiny checkpoints, not more."""
+    folder = tmp_path / "disk"
+    folder.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(folder)], check=True)
+    yield folder
+    subprocess.run(["umount", "-l", str(folder)], check=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["full", "sharded"])
+def test_a_full_disk_during_a_save_keeps_training_and_loses_nothing_saved(kind, small_disk, corpus, tmp_path):
+    """Each failed save: one line with the file, the OS's reason, the bytes needed and free; no temporary
+    or partial file left; the run trains on, and its last save failing stops it (exit 1). Once space is
+    freed, latest resumes from the newest complete checkpoint."""
+    settings = dict(checkpoint_dir=str(small_disk), checkpoint_type=kind, max_iters=10, save_interval=2, **corpus)
+    result = run_trainer(str(tmp_path), nproc=2, check=False, **settings)
+    assert result.returncode == 1, result.stderr[-3000:]
+    warnings = [line for line in result.stdout.splitlines() if line.startswith("warning: writing checkpoint")]
+    assert warnings and all("No space left on device (errno 28): it needs about" in w and "MB free there" in w
+                            and "training goes on and the next save tries again" in w for w in warnings), warnings
+    assert "the run's last save failed" in error_lines(result.stderr)[0]
+    assert "Traceback" not in result.stderr
+    left = sorted(os.listdir(small_disk))
+    assert not [name for name in left if name.endswith(".tmp")]
+    saved = sorted(int(name.split("cpt")[1].split(".")[0].split("_")[0]) for name in left
+                   if name.endswith(".pth" if kind == "full" else ".complete"))
+    assert saved and saved[-1] < 10
+    if kind == "sharded":  # no rank file of a failed set stays behind
+        assert {name.split("_rank")[0] for name in left if "_rank" in name} == {f"fsdp_sharded_cpt{s}" for s in saved}
+    subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)
+    resumed = run_trainer(str(tmp_path), nproc=2, resume_from="latest", tensorboard_dir=str(tmp_path / "tb2"), **settings)
+    assert f"at step {saved[-1]}" in resumed.stdout.split("resumed from ")[1].splitlines()[0]
+
+
+def test_the_os_reason_of_a_failed_write_is_named(tmp_path):
+    """A file size limit (EFBIG) stands for quotas and I/O errors: the OS's reason, no temp file."""
+    import ckpt_format
+    code = (f"import resource, sys, torch; sys.path.insert(0, {ROOT!r}); import ckpt_format\n"
+            f"resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))\n"
+            f"ckpt_format.save_atomically({{'w': torch.zeros(100_000)}}, {str(tmp_path / 'fsdp_cpt1.pth')!r})")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert f"WriteFailed: writing checkpoint {tmp_path / 'fsdp_cpt1.pth'} failed: File too large (errno 27)" in result.stderr
+    assert os.listdir(tmp_path) == []
+    assert issubclass(ckpt_format.WriteFailed, UserError)

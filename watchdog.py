@@ -1,0 +1,151 @@
+"""A rank that stops costs minutes and names itself.
+
+The loop tells the watchdog which phase it enters (start-up, a training step, an eval, a save) and
+how long that phase may take: `init_timeout` for start-up, the first step (compilation), evals and
+saves, `collective_timeout` for every other step. A thread on every rank wakes each second; when
+its rank's phase overruns, it
+
+1. writes every thread's Python stack (faulthandler) to CHECKPOINT_DIR/hang/, and on NCCL the
+   flight recorder's last collectives beside them;
+2. says in the store where its main thread is: waiting in a collective (the innermost
+   torch.distributed frame, and the trainer's line that called it) or stuck elsewhere;
+3. waits a few seconds for the other ranks' answers; the lowest rank that answered prints one
+   line: the step, the phase, who waits in which collective, who did not arrive (stuck at a line,
+   or no answer: stopped, dead or unreachable);
+4. leaves with exit 1, so that torchrun stops the others and, with --max-restarts, restarts the
+   job (--resume_from=latest continues from the newest checkpoint).
+
+The process group's own timeout (NCCL's watchdog, gloo's) is a backstop set past every phase's
+bound: the reporting thread fires first. A phase overruns together on every rank that waits in
+a collective (they entered it together), so each rank's answer is in the store by the time the
+others look; a SIGSTOPped rank answers nothing and is named for it.
+"""
+import faulthandler
+import os
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import torch
+
+TICK = 1.0  # seconds between the thread's looks at the clock
+ANSWER_WAIT = 10.0  # seconds a rank waits for the others' answers before it reports
+BACKSTOP = 60  # seconds past the longest bound at which the process group's own timeout fires
+ROOT = os.path.dirname(os.path.abspath(__file__))
+TORCH_DISTRIBUTED = os.path.join(os.path.dirname(torch.__file__), "distributed")
+
+
+def process_group_timeout(cfg) -> timedelta:
+    """The backstop: collectives and the store give up past every phase's bound."""
+    return timedelta(seconds=max(cfg.init_timeout, cfg.collective_timeout) + BACKSTOP)
+
+
+def nccl_failure_settings(run_dir: str) -> dict[str, str]:
+    """Environment for NCCL's process group, read when it is made: a timeout tears the process down
+    (so torchrun restarts the job), and the flight recorder keeps each rank's last 2000 collectives
+    and dumps them into the run's folder on a timeout (old and new names of each variable)."""
+    prefix = os.path.join(os.path.abspath(run_dir), "hang", "flight_recorder_rank")
+    return {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+            "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_FR_BUFFER_SIZE": "2000",
+            "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix, "TORCH_FR_DUMP_TEMP_FILE": prefix}
+
+
+def where(frame) -> str:
+    """Where a thread is, in words: in which collective (and the trainer's lines that led there,
+    innermost first), or the innermost line of the trainer's own code."""
+    frames = []
+    while frame is not None:
+        frames.append(frame)
+        frame = frame.f_back
+    ours = [f for f in frames if f.f_code.co_filename.startswith(ROOT)]
+    lines = [f"{os.path.relpath(f.f_code.co_filename, ROOT)}:{f.f_lineno}" for f in ours[:3]]
+    collective = next((f for f in frames if f.f_code.co_filename.startswith(TORCH_DISTRIBUTED)), None)
+    if collective is not None:
+        return f"waits in {collective.f_code.co_name} ({' < '.join(lines)})"
+    if not ours:
+        return "stuck outside the trainer's code"
+    return f"stuck at {lines[0]} in {ours[0].f_code.co_name}"
+
+
+class Watchdog:
+    def __init__(self, topo, run_dir: str):
+        self.rank, self.world, self.store, self.device = topo.rank, topo.world_size, topo.store, topo.device
+        self.dir, self.attempt = os.path.join(run_dir, "hang"), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        self.phase = None  # (step, what, bound in seconds, started at)
+        self.main = threading.main_thread().ident
+        self._stop = threading.Event()
+        threading.Thread(target=self._watch, daemon=True, name="watchdog").start()
+
+    def arm(self, what: str, seconds: float, key: str) -> None:
+        """Enter a phase: `what` ("step 7", "the save of step 7") may take `seconds` (config `key`)."""
+        self.phase = (what, seconds, key, time.monotonic())
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(TICK):
+            phase = self.phase
+            if phase and time.monotonic() - phase[3] > phase[1]:
+                self._report(*phase[:3])
+
+    def _report(self, what: str, bound: float, key: str) -> None:
+        os.makedirs(self.dir, exist_ok=True)
+        stacks = os.path.join(self.dir, f"stacks_rank{self.rank}_attempt{self.attempt}.txt")
+        with open(stacks, "w") as f:
+            faulthandler.dump_traceback(file=f, all_threads=True)
+        self._dump_flight_recorder()
+        mine = where(sys._current_frames().get(self.main))
+        answers = self._gather(mine)
+        if answers is not None:  # the lowest rank that answered speaks for all
+            waiting = [r for r, a in answers.items() if a.startswith("waits")]
+            stuck = {r: a for r, a in answers.items() if not a.startswith("waits")}
+            silent = [r for r in range(self.world) if r not in answers]
+            parts = [f"rank {r} {answers[r]}" for r in waiting[:4]] + (["..."] if len(waiting) > 4 else [])
+            parts += [f"rank {r} did not arrive: {a}" for r, a in stuck.items()]
+            if silent:
+                parts.append(f"{'rank' if len(silent) == 1 else 'ranks'} {', '.join(map(str, silent))} did not "
+                             f"arrive: no answer (stopped, dead or unreachable)")
+            if not stuck and not silent:
+                parts.append("every rank waits: mismatched collectives (each rank's stack shows its own)")
+            sys.stderr.write(f"error: {what} overran {key}={bound:g} s: {'; '.join(parts)}. Stacks: "
+                             f"{self.dir}/stacks_rank*_attempt{self.attempt}.txt\n")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+    def _gather(self, mine: str) -> dict[int, str] | None:
+        """Post where this rank is and wait up to ANSWER_WAIT for the others. The lowest rank that
+        answered gets {rank: where it is} of every rank that did; the others get None. When the
+        store is gone (its host, rank 0 outside torchrun, was the one that stopped), each rank
+        speaks for itself."""
+        prefix = f"watchdog/{self.attempt}/"
+        keys = {r: f"{prefix}{r}" for r in range(self.world)}
+        try:
+            self.store.set(keys[self.rank], mine)
+            answered, deadline = set(), time.monotonic() + ANSWER_WAIT
+            while len(answered) < self.world and time.monotonic() < deadline:
+                answered |= {r for r, k in keys.items() if r not in answered and self.store.check([k])}
+                time.sleep(0.2)
+            if min(answered) != self.rank:
+                self.store.set(f"{prefix}done/{self.rank}", "")  # the speaker may leave (and take the store)
+                return None
+            answers = {r: self.store.get(keys[r]).decode() for r in answered}
+            deadline = time.monotonic() + ANSWER_WAIT
+            done = [f"{prefix}done/{r}" for r in answered if r != self.rank]
+            while done and not self.store.check(done) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            return answers
+        except Exception:  # noqa: BLE001 - the store's host is gone: report what this rank knows
+            return {self.rank: mine}
+
+    def _dump_flight_recorder(self) -> None:
+        """NCCL's last collectives on this rank (CUDA builds only), beside the stacks."""
+        dump = getattr(torch._C._distributed_c10d, "_dump_nccl_trace", None)
+        if self.device.type == "cuda" and dump is not None:
+            try:
+                with open(os.path.join(self.dir, f"flight_recorder_rank{self.rank}_attempt{self.attempt}"), "wb") as f:
+                    f.write(dump())
+            except Exception:  # noqa: BLE001 - best effort: the stacks are written already
+                pass
