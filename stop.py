@@ -1,7 +1,7 @@
 """Stopping on request: SIGTERM (what schedulers send before preemption) and Ctrl-C (SIGINT).
 
-The first of either asks every rank to stop with a checkpoint at a step boundary; a second Ctrl-C
-stops this process at once, without one. One line each, no traceback. Exit codes: 0 after
+The first of either asks every rank to stop with a checkpoint at a step boundary; a second signal
+stops at once, without one (but for SIGTERM after SIGTERM). One line each, no traceback. Exit codes: 0 after
 SIGTERM (the job is done as far as a scheduler is concerned), 130 after Ctrl-C (128 + SIGINT,
 the shell's "interrupted").
 
@@ -12,6 +12,7 @@ rank reads the same value at the same boundary, so all stop after the same step:
 the one the signal arrived in at the latest. No GPU sync, no wait on the host: the exchange is
 long done when its result is read.
 """
+import ctypes
 import os
 import signal
 import sys
@@ -22,19 +23,34 @@ import torch.distributed as dist
 REQUESTS = {1: ("SIGTERM", 0), 2: ("Ctrl-C", 130)}  # what the ranks exchange: (the name, the exit code)
 
 
+def follow_the_agent() -> None:
+    """Under torchrun only the agent sees Ctrl-C (each worker has a session of its own): it passes the
+    first on as SIGINT, and dies of the second. A worker then gets SIGINT again from the kernel when
+    its agent dies (PR_SET_PDEATHSIG, Linux), which is the second Ctrl-C: it stops at once."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGINT)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: a second Ctrl-C leaves the workers to finish their save
+        pass
+
+
 class StopRequest:
     def __init__(self):
         self.received = None  # "SIGTERM" or "Ctrl-C": the first request
         self.group = self.flag = self.work = self.agreed_on = None
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
+        if "TORCHELASTIC_RUN_ID" in os.environ:
+            follow_the_agent()
 
     def _on_signal(self, signum, frame) -> None:
         name = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
-        if self.received == "Ctrl-C" and name == "Ctrl-C":
+        # a second signal stops at once (torchrun's agent turns a second Ctrl-C into SIGTERM), but a
+        # repeated SIGTERM, which schedulers send to every process of a job, does not
+        if self.received and "Ctrl-C" in (self.received, name):
             if os.environ.get("RANK", "0") == "0":
-                sys.stderr.write("Ctrl-C again: stopped at once, without a checkpoint (--resume_from=latest continues "
-                                 "from the last one)\n")
+                sys.stderr.write(f"{name} after {self.received}: stopped at once, without a checkpoint "
+                                 f"(--resume_from=latest continues from the last one)\n")
             sys.stderr.flush()
             os._exit(130)
         self.received = self.received or name

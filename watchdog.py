@@ -145,7 +145,8 @@ class Watchdog:
         dump = getattr(torch._C._distributed_c10d, "_dump_nccl_trace", None)
         if self.device.type == "cuda" and dump is not None:
             try:
-                with open(os.path.join(self.dir, f"flight_recorder_rank{self.rank}_attempt{self.attempt}"), "wb") as f:
+                # the name NCCL's own dump takes (nccl_failure_settings), which torch's fr_trace reads
+                with open(os.path.join(self.dir, f"flight_recorder_rank{self.rank}"), "wb") as f:
                     f.write(dump())
             except Exception:  # noqa: BLE001 - best effort: the stacks are written already
                 pass

@@ -1,11 +1,13 @@
 """Run by test_failures.py: the real trainer, with one rank that hangs at the start of a chosen step
 of the first attempt (HANG=stop|deadlock|io, HANG_RANK, HANG_STEP): SIGSTOPped, deadlocked on a
-lock, or blocked reading a pipe nobody writes."""
+lock, or blocked reading a pipe nobody writes; or (HANG=slow) takes half a second more for every
+step from that one on (a slow run to interrupt)."""
 import os
 import signal
 import sys
 import tempfile
 import threading
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_fsdp  # noqa: E402
@@ -31,7 +33,9 @@ real_lr_at = train_fsdp.lr_at
 
 
 def lr_at(cfg, step):
-    if step == int(os.environ["HANG_STEP"]):
+    if os.environ["HANG"] == "slow" and step >= int(os.environ["HANG_STEP"]):
+        time.sleep(0.5)
+    elif step == int(os.environ["HANG_STEP"]):
         hang(os.environ["HANG"])
     return real_lr_at(cfg, step)
 

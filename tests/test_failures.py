@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import run_lock
-from conftest import DEMO, ROOT, RUN, TINY, overrides, run_trainer, scalars
+from conftest import DEMO, ROOT, RUN, TINY, free_port, overrides, run_trainer, scalars
 from config import UserError
 
 PROBE = os.path.join(ROOT, "tests", "hang_probe.py")
@@ -180,3 +180,98 @@ def test_the_os_reason_of_a_failed_write_is_named(tmp_path):
     assert f"WriteFailed: writing checkpoint {tmp_path / 'fsdp_cpt1.pth'} failed: File too large (errno 27)" in result.stderr
     assert os.listdir(tmp_path) == []
     assert issubclass(ckpt_format.WriteFailed, UserError)
+
+
+# ---- Ctrl-C ----
+def interrupted(tmp_path, nproc: int, presses: int) -> tuple[int, str, float]:
+    """The trainer (steps made slow from step 3) interrupted by `presses` Ctrl-C at step 4, as a
+    terminal sends them: to torchrun's agent, or to the one process. (exit code, output, seconds
+    from the first press to the end)."""
+    launcher = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+                                   if nproc > 1 else [])
+    settings = TINY | dict(max_iters=100, lr_decay_iters=100, checkpoint_dir=str(tmp_path / "ckpt"),
+                           tensorboard_dir=str(tmp_path / "tb"))
+    log = tmp_path / "output.txt"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(launcher + [PROBE, DEMO] + overrides(**settings), cwd=tmp_path, stdout=out,
+                                stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                                                                   HANG="slow", HANG_RANK="0", HANG_STEP="3"))
+        deadline = time.time() + 120
+        while "step 4/100 | loss" not in log.read_text() and time.time() < deadline:
+            time.sleep(0.05)
+        pressed = time.monotonic()
+        for _ in range(presses):
+            proc.send_signal(signal.SIGINT)
+            time.sleep(0.2)
+        code = proc.wait(timeout=60)
+    time.sleep(0.5)  # workers that outlive their agent would still be running now
+    assert not [line for line in subprocess.run(["pgrep", "-af", PROBE], capture_output=True, text=True).stdout.splitlines()
+                if str(tmp_path) in line], "workers outlived the launch"
+    return code, log.read_text(), time.monotonic() - pressed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_ctrl_c_saves_the_step_and_stops_every_rank(nproc, corpus, tmp_path):
+    code, output, _ = interrupted(tmp_path, nproc, presses=1)
+    assert code == (130 if nproc == 1 else 1), output[-3000:]  # torchrun's agent exits 1 after its own SIGINT
+    stopped = [line for line in output.splitlines() if line.startswith("Ctrl-C: stopped after step")]
+    assert len(stopped) == 1, output[-3000:]
+    step = int(stopped[0].split()[4])
+    assert 4 <= step <= 6 and os.listdir(tmp_path / "ckpt") == [f"fsdp_cpt{step}.pth"]
+    for noise in ("KeyboardInterrupt", "Connection closed by peer", "error:"):
+        assert noise not in output
+    if nproc == 1:
+        assert "Traceback" not in output
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_second_ctrl_c_stops_at_once(nproc, corpus, tmp_path):
+    code, output, seconds = interrupted(tmp_path, nproc, presses=2)
+    assert code != 0 and seconds < 5, output[-3000:]
+    second = "SIGTERM" if nproc > 1 else "Ctrl-C"  # torchrun's agent passes a second Ctrl-C on as SIGTERM
+    assert output.count(f"{second} after Ctrl-C: stopped at once, without a checkpoint") == 1, output[-3000:]
+    assert "Ctrl-C: stopped after step" not in output
+    # no checkpoint; the run lock stays (no exit handler ran), stale at once for the next launch on this host
+    assert os.listdir(tmp_path / "ckpt") == [run_lock.NAME]
+    for noise in ("KeyboardInterrupt", "Connection closed by peer"):
+        assert noise not in output
+
+
+# ---- a lost node ----
+@pytest.mark.slow
+def test_a_lost_node_costs_the_steps_since_the_last_save(corpus, tmp_path):
+    """Two loopback "nodes" of one rank each (elastic: --nnodes=1:2, c10d rendezvous); the second is
+    killed, agent and worker, after a checkpoint. The first restarts at world size 1, resumes from the
+    newest checkpoint and finishes as the run without the loss does (within the parity tolerance)."""
+    run = RUN | corpus | dict(max_iters=12, save_interval=2, checkpoint_dir=str(tmp_path / "ckpt"))
+    (tmp_path / "uninterrupted").mkdir()
+    run_trainer(str(tmp_path / "uninterrupted"), nproc=2, **(run | dict(checkpoint_dir=str(tmp_path / "u_ckpt"))))
+    port = free_port()
+    # dead nodes leave the rendezvous after 2 missed keep-alives of 1 s, and a round closes 2 s after its last join
+    conf = "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=2"
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc_per_node=1", "--max-restarts=2",
+                "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=lost-node", f"--rdzv_conf={conf}",
+                PROBE, DEMO] + overrides(**(TINY | run | dict(resume_from="latest", tensorboard_dir=str(tmp_path / "tb"))))
+    env = dict(os.environ, OMP_NUM_THREADS="1", HANG="slow", HANG_RANK="0", HANG_STEP="1")  # slow first attempt
+    logs = [open(tmp_path / f"node{n}.txt", "w") for n in (0, 1)]
+    nodes = []
+    for log in logs:
+        nodes.append(subprocess.Popen(launcher, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, env=env))
+        time.sleep(1)  # the first hosts the rendezvous' store
+    deadline = time.time() + 120
+    while not os.path.exists(tmp_path / "ckpt" / "fsdp_cpt2.pth") and time.time() < deadline:
+        time.sleep(0.2)
+    lost = nodes[1]
+    for pid in subprocess.run(["pgrep", "-P", str(lost.pid)], capture_output=True, text=True).stdout.split():
+        os.kill(int(pid), signal.SIGKILL)  # its worker: a session of its own, outside the agent's group
+    lost.kill()
+    killed = time.monotonic()
+    assert nodes[0].wait(timeout=240) == 0, (tmp_path / "node0.txt").read_text()[-3000:]
+    output = (tmp_path / "node0.txt").read_text()
+    assert "2 ranks, FULL_SHARD" in output and "1 ranks, FULL_SHARD" in output  # restarted alone
+    resumed_at = int(output.split("resumed from ")[1].split(" at step ")[1].split()[0])
+    assert resumed_at >= 2 and time.monotonic() - killed < 120
+    expected = scalars(str(tmp_path / "uninterrupted" / "tb"), "train/loss")
+    assert scalars(str(tmp_path / "tb"), "train/loss")[12] == pytest.approx(expected[12], rel=1e-4)
