@@ -41,7 +41,7 @@ LR_SCHEDULES = ("cosine", "wsd", "constant")
 DECAY_SHAPES = ("linear", "1-sqrt")
 # arch first: a checkpoint of the other layout is reported as that, not as its first consequence (bias)
 MODEL_SHAPE_KEYS = ("arch", "vocab_size", "block_size", "n_layer", "n_head", "n_embd", "bias", "n_kv_head",
-                    "rope_theta", "qk_norm", "tie_embeddings", "ffn_hidden", "norm_eps", "mlp", "logit_softcap", "value_embeds")
+                    "rope_theta", "rope_scaling", "qk_norm", "tie_embeddings", "ffn_hidden", "norm_eps", "mlp", "logit_softcap", "value_embeds")
 MLPS = ("gelu", "swiglu", "relu2")
 MUON_COEFFICIENTS = ("quintic", "polar_express")
 ARCHS = ("gpt2", "llama")
@@ -68,6 +68,9 @@ class TrainConfig:
     n_kv_head: int | None = key(None, "llama: key/value heads (grouped-query attention), dividing n_head; null: "
                                       "n_head")
     rope_theta: float = key(10000.0, "llama: RoPE base")
+    rope_scaling: dict | None = key(None, "llama: Llama 3.1's RoPE frequency scaling, {rope_type: llama3, factor, "
+                                          "low_freq_factor, high_freq_factor, original_max_position_embeddings}; "
+                                          "null: plain RoPE")
     qk_norm: bool = key(False, "llama: RMSNorm of each head's q and k (Qwen3; exports as Qwen3ForCausalLM)")
     tie_embeddings: bool | None = key(None, "LM head shares the token embedding; null: true for gpt2, false for "
                                             "llama")
@@ -280,6 +283,7 @@ def parse_args(argv: list[str]) -> TrainConfig:
         values[key] = _coerce(key, _parse_cli_value(text), f"from --{key}")
         i += 1
     cfg = TrainConfig(**values)
+    cfg.given = frozenset(values)  # the keys the file or the command line set (init_from may set the others)
     validate(cfg)
     return cfg
 
@@ -313,6 +317,8 @@ def validate(cfg: TrainConfig) -> None:
         require((cfg.n_embd // cfg.n_head) % 2 == 0,
                 f"head dimension n_embd / n_head = {cfg.n_embd // cfg.n_head} must be even for RoPE")
     require(cfg.rope_theta > 0, f"rope_theta must be positive, got {cfg.rope_theta}")
+    require(cfg.rope_scaling is None or cfg.arch == "llama", "rope_scaling needs arch: llama (GPT-2 has no RoPE)")
+    check_rope_scaling(cfg.rope_scaling, "rope_scaling")
     require(cfg.ffn_hidden is None or cfg.ffn_hidden > 0, f"ffn_hidden must be positive, got {cfg.ffn_hidden}")
     require(0 <= cfg.value_embeds <= cfg.n_layer, f"value_embeds must be 0 to n_layer={cfg.n_layer}, got {cfg.value_embeds}")
     require(cfg.mlp is None or cfg.mlp in MLPS, f"mlp '{cfg.mlp}' is not one of {', '.join(MLPS)}")
@@ -355,6 +361,21 @@ def validate(cfg: TrainConfig) -> None:
             f"{cfg.collective_timeout}")
     require(cfg.max_skipped_steps >= 1, f"max_skipped_steps must be 1 or more, got {cfg.max_skipped_steps}")
     validate_mixture(cfg)
+
+
+LLAMA3_SCALING = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def check_rope_scaling(scaling: dict | None, where: str) -> None:
+    """Llama 3.1's scaling (rope_type llama3) is built; any other type is refused, naming it."""
+    if scaling is None:
+        return
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind != "llama3":
+        raise UserError(f"{where}: RoPE scaling of type {kind!r} is not built here (only llama3, Llama 3.1's)")
+    missing = [k for k in LLAMA3_SCALING if not isinstance(scaling.get(k), (int, float))]
+    if missing:
+        raise UserError(f"{where}: llama3 RoPE scaling needs numbers for {', '.join(missing)}")
 
 
 def validate_mixture(cfg: TrainConfig) -> None:

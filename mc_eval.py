@@ -44,7 +44,7 @@ def read_items(path: str, tokenizer_name: str) -> list[Item]:
             raise UserError(f"{path} holds GPT-2 tokens (llm.c's format) and the model reads '{tokenizer_name}' "
                             f"tokens: give the items as jsonl instead")
         return read_llmc(path)
-    from data import get_tokenizer  # only jsonl needs the tokenizer (gpt2's file may be absent offline)
+    from tokenizer import get_tokenizer  # only jsonl needs the tokenizer (gpt2's file may be absent offline)
     return read_jsonl(path, get_tokenizer(tokenizer_name))
 
 

@@ -29,6 +29,7 @@ class GPTConfig:
     arch: str = "gpt2"
     n_kv_head: int | None = None  # llama: key/value heads (grouped-query attention); None: n_head
     rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # Llama 3.1's {rope_type: llama3, factor, low/high_freq_factor, original ...}
     qk_norm: bool = False
     tie_embeddings: bool = True
     ffn_hidden: int | None = None  # None: 4 n_embd (gpt2, relu2); swiglu: 8/3 n_embd rounded up to 256
@@ -57,10 +58,26 @@ def norm(cfg: GPTConfig, width: int) -> nn.Module:
     return nn.RMSNorm(width, eps=cfg.norm_eps)
 
 
+def llama3_scaled(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama 3.1's long-context frequencies, as transformers computes them: pairs whose wavelength
+    exceeds the original context / low_freq_factor turn `factor` times slower, those under
+    original / high_freq_factor keep their speed, and the ones between are interpolated."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original = scaling["original_max_position_embeddings"]
+    wavelength = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelength > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelength - low) / (high - low)
+    between = (wavelength >= original / high) & (wavelength <= original / low)
+    return torch.where(between, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
+
+
 def rotary(cfg: GPTConfig, T: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin (T, head_dim) of RoPE: pair i of a head turns at theta^(-2i/head_dim) per position.
-    Computed in fp32 per forward (cheap): no buffer to move off the meta device."""
+    """cos, sin (T, head_dim) of RoPE: pair i of a head turns at theta^(-2i/head_dim) per position
+    (Llama 3.1's scaling applied when rope_scaling is set). Computed in fp32 per forward (cheap):
+    no buffer to move off the meta device."""
     inv_freq = cfg.rope_theta ** (-torch.arange(0, cfg.head_dim, 2, device=device, dtype=torch.float32) / cfg.head_dim)
+    if cfg.rope_scaling:
+        inv_freq = llama3_scaled(inv_freq, cfg.rope_scaling)
     angles = torch.outer(torch.arange(T, device=device, dtype=torch.float32), inv_freq)
     angles = torch.cat((angles, angles), dim=-1)  # rotate_half pairs dimension i with i + head_dim/2
     return angles.cos(), angles.sin()

@@ -11,7 +11,7 @@ import sys
 import torch
 
 from config import exit_code
-from data import get_tokenizer
+from tokenizer import get_tokenizer
 from ckpt_format import load_gpt
 from precision import autocast, compute_dtype, pick_device
 

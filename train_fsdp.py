@@ -15,13 +15,14 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.nn.parallel import DistributedDataParallel
 
 from ckpt_format import check_model_shape
-from config import UserError, help_text, parse_args, to_yaml
-from data import get_tokenizer, prepare_sources
+from config import UserError, help_text, parse_args, to_yaml, validate
+from data import prepare_sources
+from tokenizer import check_data_tokenizer, get_tokenizer, is_hf_tokenizer
 from evaluate import val_losses, val_loss_sums
 from fsdp_ckpt import CheckpointManager
 from guard import NonFiniteGuard
 from mc_eval import accuracies, load_sets, mc_sums, truncated
-from hf_format import read_hf_folder
+from hf_format import define_model, read_hf_folder
 from loader import BatchLoader
 from launch import STRATEGY_TABLE, Topology, agree, init_distributed, run_entry_point
 from metrics import ProgressLog, per_rank_memory
@@ -38,7 +39,9 @@ def initial_state(cfg, gpt_cfg: GPTConfig) -> dict:
     """The full starting weights: a Hugging Face folder's (init_from), or the seed's."""
     if cfg.init_from:
         keys, state = read_hf_folder(cfg.init_from)
-        check_model_shape(f"init_from {cfg.init_from}", keys, cfg, action="start from it")
+        # the rotary layouts' block_size is the run's choice (define_model checked it against the folder)
+        check_model_shape(f"init_from {cfg.init_from}", keys | {"block_size": cfg.block_size} if keys["arch"] != "gpt2"
+                          else keys, cfg, action="start from it")
         return state
     torch.manual_seed(cfg.seed)
     return GPT(gpt_cfg).state_dict()
@@ -227,6 +230,8 @@ def data_state(loader: BatchLoader, step: int) -> dict:
 def train(cfg) -> None:
     stop = StopRequest()  # first: a preemption or Ctrl-C during start-up still ends with a checkpoint
     topo = init_distributed(cfg)
+    if cfg.init_from:  # the folder defines the model (and the tokenizer, unless one is named)
+        agree(lambda: (define_model(cfg), validate(cfg)))
     rank, world, device = topo.rank, topo.world_size, topo.device
     if cfg.train_batch % (cfg.micro_batch * world):
         raise UserError(f"train_batch={cfg.train_batch} must be a multiple of micro_batch={cfg.micro_batch} "
@@ -238,8 +243,9 @@ def train(cfg) -> None:
     sources = agree(lambda: prepare_sources(cfg.data_mix, cfg.data_path, cfg.data_source, cfg.tokenizer))
     watchdog = Watchdog(topo, cfg.checkpoint_dir)  # data preparation, which may take hours, is not bounded
     watchdog.arm("start-up", cfg.init_timeout, "init_timeout")
-    meta = next(iter(sources.values()))[1]
-    if topo.is_main and meta["tokenizer"] != cfg.tokenizer:
+    data_path, meta = next(iter(sources.values()))
+    agree(lambda: check_data_tokenizer(cfg.tokenizer, meta, data_path))  # a Hugging Face one: the data's own
+    if topo.is_main and meta["tokenizer"] != cfg.tokenizer and not is_hf_tokenizer(cfg.tokenizer):
         print(f"note: the data was prepared with tokenizer '{meta['tokenizer']}', which is used instead of "
               f"the configured '{cfg.tokenizer}'", flush=True)
     cfg.tokenizer = meta["tokenizer"]  # what the data holds: sampling and export decode with it

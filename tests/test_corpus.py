@@ -17,6 +17,7 @@ import data
 from config import UserError
 from conftest import ROOT, run_trainer
 from loader import BatchLoader
+from tokenizer import get_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +71,7 @@ def test_same_bytes_for_any_number_of_workers(documents, tmp_path):
     meta = json.loads((tmp_path / "w2" / "meta.json").read_text())
     assert meta["documents"] == len(documents) and meta["dtype"] == "uint32"
     train = np.frombuffer(results[1][0], dtype=np.uint32)
-    tokenizer = data.get_tokenizer("cl100k_base")
+    tokenizer = get_tokenizer("cl100k_base")
     assert tokenizer.decode(train[:len(tokenizer.encode_ordinary(documents[0]))].tolist()) == documents[0]
 
 

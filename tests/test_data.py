@@ -12,6 +12,7 @@ import data
 from conftest import ROOT
 from loader import BatchLoader
 from config import UserError
+from tokenizer import get_tokenizer
 
 
 def write_corpus(folder, n_docs=40):
@@ -38,7 +39,7 @@ def test_jsonl_and_uint32_for_large_vocabularies(tmp_path):
     path.write_text("\n".join(json.dumps({"text": f"line {i} of text"}) for i in range(30)))
     meta = data.prepare_data(str(tmp_path / "d"), str(path), "cl100k_base")  # ships offline, 100k tokens
     assert meta["dtype"] == "uint32" and meta["vocab_size"] > 65536
-    enc = data.get_tokenizer("cl100k_base")
+    enc = get_tokenizer("cl100k_base")
     train = np.memmap(tmp_path / "d" / "train.bin", dtype=np.uint32, mode="r")
     assert enc.decode(list(train[:4])) .startswith("line 0 of")
 

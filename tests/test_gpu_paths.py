@@ -112,7 +112,7 @@ def test_rope_tables_reach_every_block_in_fp32_under_fsdp(one_process_group):
 def test_val_loss_and_samples_compute_in_the_training_dtype(wrap, one_process_group, corpus):
     """Evaluation and text samples run in the context training's forwards run in: bf16 matmuls in
     every wrapping (unwrapped and DDP ran them in fp32 before)."""
-    from data import ByteTokenizer
+    from tokenizer import ByteTokenizer
     model, cfg, topo = built(wrap, "--sample_tokens=4")
     gpt = getattr(model, "module", model)
     seen = []

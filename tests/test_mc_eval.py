@@ -12,7 +12,7 @@ import torch
 
 from config import UserError
 from conftest import ROOT, checkpoint_of, launch, launcher_once, scalars, shared, tool
-from data import get_tokenizer
+from tokenizer import get_tokenizer
 from mc_eval import Item, accuracies, mc_sums, read_items, read_llmc, row, score_group, truncated
 from model import GPT, GPTConfig
 

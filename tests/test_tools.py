@@ -50,17 +50,47 @@ def test_exported_model_loads_in_transformers_with_the_same_logits(two_rank_runs
     assert all(torch.equal(full[name], sharded[name]) for name in full)
 
 
-def test_exported_tokenizer_encodes_as_tiktoken(tmp_path):
+def test_exported_tokenizers_encode_as_the_runs(tmp_path):
+    """tiktoken's BPE and raw bytes converted, a Hugging Face tokenizer copied: each encodes as the
+    run's tokenizer did; tokenizer_config.json gives the trained context and a class transformers 4
+    and 5 both know."""
+    import json
+
     from transformers import AutoTokenizer
 
-    from data import get_tokenizer
     from export_hf import save_tokenizer
+    from test_hf_tokenizer import make_tokenizer
+    from tokenizer import get_tokenizer
 
-    encoding = get_tokenizer("cl100k_base")
-    assert save_tokenizer(encoding, str(tmp_path))
-    hf = AutoTokenizer.from_pretrained(tmp_path)
     text = open(os.path.join(ROOT, "README.md")).read() + " héllo 12345 <|endoftext|> 日本語 😀\n\n\tx  \n "
-    ids = encoding.encode(text, allowed_special="all")
-    assert hf.encode(text) == ids
-    assert hf.decode(ids) == text
-    assert not save_tokenizer(get_tokenizer("bytes"), str(tmp_path / "bytes"))  # no HF form: no files
+    for name in ("cl100k_base", "bytes", make_tokenizer(tmp_path / "hf_tokenizer")):
+        ours, out = get_tokenizer(name), tmp_path / "exported" / os.path.basename(name)
+        save_tokenizer(ours, str(out), block_size=96)
+        hf = AutoTokenizer.from_pretrained(out)
+        ids = ours.encode(text, allowed_special="all") if name == "cl100k_base" else ours.encode_ordinary(text)
+        assert hf.encode(text, add_special_tokens=False) == ids, name
+        assert hf.decode(ids) == text, name
+        assert hf.convert_tokens_to_ids(hf.eos_token) == ours.eot_token, name
+        config = json.loads((out / "tokenizer_config.json").read_text())
+        if name == "bytes" or name == "cl100k_base":
+            assert config["tokenizer_class"] == "PreTrainedTokenizerFast" and config["model_max_length"] == 96
+        else:  # copied as it is
+            assert (out / "tokenizer.json").read_bytes() == (tmp_path / "hf_tokenizer" / "tokenizer.json").read_bytes()
+
+
+def test_export_in_bf16_halves_the_folder_and_large_models_come_in_shards(two_rank_runs, tmp_path):
+    import json
+
+    from safetensors.torch import load_file
+    checkpoint = checkpoint_of(two_rank_runs["full"], "full", 6)
+    tool("export_hf.py", checkpoint, tmp_path / "fp32")
+    tool("export_hf.py", checkpoint, tmp_path / "bf16", "--dtype", "bf16", "--max_shard_size", "200KB")
+    fp32 = load_file(tmp_path / "fp32" / "model.safetensors")
+    index = json.loads((tmp_path / "bf16" / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1
+    bf16 = {k: v for shard in shards for k, v in load_file(tmp_path / "bf16" / shard).items()}
+    assert bf16.keys() == fp32.keys() and all(t.dtype == torch.bfloat16 for t in bf16.values())
+    assert all(torch.equal(bf16[k], fp32[k].bfloat16()) for k in fp32)
+    size = {d: sum(f.stat().st_size for f in (tmp_path / d).glob("*.safetensors")) for d in ("fp32", "bf16")}
+    assert 0.45 < size["bf16"] / size["fp32"] < 0.55

@@ -1,0 +1,103 @@
+"""Continued pretraining from a Hugging Face folder: its config.json defines the model (a key the
+config contradicts is refused naming both values), its tokenizer is the run's, its vocabulary stays
+the model's, block_size is the run's choice up to the folder's positions."""
+import os
+
+import pytest
+
+from conftest import ROOT, launch, overrides
+from test_hf_tokenizer import make_tokenizer, write_docs
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def qwen3_folder(tmp_path_factory) -> str:
+    """A small random Qwen3ForCausalLM saved by transformers, with a tokenizer trained here beside it."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    folder = tmp_path_factory.mktemp("qwen3")
+    config = Qwen3Config(vocab_size=576, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                         rope_theta=1e6, tie_word_embeddings=True)
+    Qwen3ForCausalLM(config).save_pretrained(folder)
+    make_tokenizer(folder)  # 500 tokens: fewer than the model's 576 rows
+    return str(folder)
+
+
+def bare_config(tmp_path, docs) -> str:
+    """A config with no model key and no tokenizer: the folder brings them."""
+    path = tmp_path / "continue.yaml"
+    path.write_text(f"data_path: {tmp_path / 'prepared'}\ndata_source: {docs}\n")
+    return str(path)
+
+
+def run(run_dir, config: str, nproc: int = 1, **settings):
+    """The trainer with `settings` alone (no test defaults: they would name model keys)."""
+    settings |= dict(checkpoint_dir=os.path.join(run_dir, "ckpt"), tensorboard_dir=os.path.join(run_dir, "tb"))
+    return launch([os.path.join(ROOT, "train_fsdp.py"), config] + overrides(**settings), run_dir, nproc)
+
+
+SMALL = dict(block_size=64, max_iters=2, log_interval=1, eval_interval=2, eval_iters=1, train_batch=4, micro_batch=2,
+             warmup_iters=1, lr_decay_iters=2, sample_tokens=4, dtype="fp32")
+
+
+def test_the_folder_defines_the_model_and_its_tokenizer_feeds_the_run(qwen3_folder, tmp_path):
+    docs = tmp_path / "docs.jsonl"
+    write_docs(docs, n=200)
+    config = bare_config(tmp_path, docs)
+    result = run(tmp_path, config, nproc=2, init_from=qwen3_folder, **SMALL)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for key, value in dict(arch="llama", n_layer=2, n_head=4, n_kv_head=2, n_embd=64, ffn_hidden=128, qk_norm="true",
+                           rope_theta=1000000.0, vocab_size=576, tokenizer=qwen3_folder, block_size=64).items():
+        assert f"\n{key}: {value}\n" in result.stdout, key
+    assert "step 2/2 | val loss" in result.stdout
+    refused = run(tmp_path, config, init_from=qwen3_folder, **(SMALL | dict(n_layer=3)))
+    assert refused.returncode == 2
+    assert (f"error: init_from {qwen3_folder} has n_layer=2 but the config sets n_layer=3: drop n_layer from the "
+            f"config and the command line") in refused.stderr
+    too_long = run(tmp_path, config, init_from=qwen3_folder,
+                           **(SMALL | dict(block_size=512)))
+    assert too_long.returncode == 2
+    assert (f"error: block_size=512 exceeds what init_from {qwen3_folder} was built for (256 positions)"
+            in too_long.stderr)
+    other = make_tokenizer(tmp_path / "other", vocab_size=400)
+    mismatched = run(tmp_path, config, init_from=qwen3_folder,
+                             **(SMALL | dict(tokenizer=other)))
+    assert mismatched.returncode == 2 and f"not with this run's {other}" in mismatched.stderr
+    assert os.path.isfile(tmp_path / "prepared" / "meta.json")
+
+
+def test_llama3_rope_scaling_gives_transformers_logits_past_the_original_context(tmp_path):
+    """A Llama folder with Llama 3.1's rope_scaling (original context 32): model.GPT built from it
+    (init_from's reader) gives transformers' logits at every position of a 200-token row, and the
+    export writes the scaling back."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_format import hf_config, read_hf_folder
+    from model import GPT, GPTConfig
+    scaling = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=32)
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rope_theta=500000.0,
+                         rope_scaling=dict(scaling), tie_word_embeddings=False)
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(config).eval()
+    hf.save_pretrained(tmp_path)
+    keys, state = read_hf_folder(str(tmp_path))
+    assert keys["rope_scaling"] == scaling
+    cfg = GPTConfig(**(keys | dict(block_size=200)))
+    ours = GPT(cfg).eval()
+    ours.load_state_dict(state)
+    x = torch.randint(0, 128, (2, 200))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x)[0], hf(x).logits, rtol=1e-4, atol=1e-4)
+        plain = GPT(GPTConfig(**(keys | dict(block_size=200, rope_scaling=None)))).eval()
+        plain.load_state_dict(state)
+        assert (plain(x)[0] - hf(x).logits).abs().max() > 1e-3  # 10x the agreement: the scaling matters here
+    assert hf_config(cfg, 0)["rope_scaling"] == scaling
+    config.rope_scaling = dict(scaling, rope_type="yarn")
+    config.save_pretrained(tmp_path)
+    from config import UserError
+    with pytest.raises(UserError, match=r"RoPE scaling of type 'yarn' is not built here \(only llama3"):
+        read_hf_folder(str(tmp_path))
