@@ -41,7 +41,7 @@ LR_SCHEDULES = ("cosine", "wsd", "constant")
 DECAY_SHAPES = ("linear", "1-sqrt")
 # arch first: a checkpoint of the other layout is reported as that, not as its first consequence (bias)
 MODEL_SHAPE_KEYS = ("arch", "vocab_size", "block_size", "n_layer", "n_head", "n_embd", "bias", "n_kv_head",
-                    "rope_theta", "rope_scaling", "qk_norm", "tie_embeddings", "ffn_hidden", "norm_eps", "mlp", "logit_softcap", "value_embeds")
+                    "rope_theta", "rope_scaling", "qk_norm", "tie_embeddings", "ffn_hidden", "norm_eps", "mlp", "logit_softcap", "value_embeds", "head_dim")
 MLPS = ("gelu", "swiglu", "relu2")
 MUON_COEFFICIENTS = ("quintic", "polar_express")
 ARCHS = ("gpt2", "llama")
@@ -67,6 +67,8 @@ class TrainConfig:
     bias: bool = key(True, "gpt2: biases in Linear and LayerNorm layers (llama has none)")
     n_kv_head: int | None = key(None, "llama: key/value heads (grouped-query attention), dividing n_head; null: "
                                       "n_head")
+    head_dim: int | None = key(None, "llama: width of each attention head; null: n_embd / n_head (Qwen3 sets its "
+                                     "own)")
     rope_theta: float = key(10000.0, "llama: RoPE base")
     rope_scaling: dict | None = key(None, "llama: Llama 3.1's RoPE frequency scaling, {rope_type: llama3, factor, "
                                           "low_freq_factor, high_freq_factor, original_max_position_embeddings}; "
@@ -304,8 +306,10 @@ def validate(cfg: TrainConfig) -> None:
         require(getattr(cfg, key) > 0, f"config key '{key}' must be positive, got {getattr(cfg, key)}")
     require(cfg.max_iters >= 0, f"max_iters must be 0 or more, got {cfg.max_iters}")
     require(cfg.sample_tokens >= 0, f"sample_tokens must be 0 or more, got {cfg.sample_tokens}")
-    require(cfg.n_embd % cfg.n_head == 0,
+    require(cfg.head_dim is not None or cfg.n_embd % cfg.n_head == 0,
             f"n_head={cfg.n_head} must divide n_embd={cfg.n_embd}: pick n_embd as a multiple of n_head")
+    require(cfg.head_dim is None or (cfg.head_dim > 0 and cfg.arch == "llama"),
+            f"head_dim={cfg.head_dim} must be positive and needs arch: llama (GPT-2's heads split n_embd)")
     require(cfg.arch in ARCHS, f"arch '{cfg.arch}' is not one of {', '.join(ARCHS)}")
     if cfg.arch == "gpt2":
         require(cfg.n_kv_head in (None, cfg.n_head) and not cfg.qk_norm and cfg.tie_embeddings in (None, True),
@@ -314,8 +318,9 @@ def validate(cfg: TrainConfig) -> None:
         require(cfg.n_kv_head is None or (cfg.n_kv_head > 0 and cfg.n_head % cfg.n_kv_head == 0),
                 f"n_kv_head={cfg.n_kv_head} must divide n_head={cfg.n_head} (each key/value head serves "
                 f"n_head / n_kv_head query heads)")
-        require((cfg.n_embd // cfg.n_head) % 2 == 0,
-                f"head dimension n_embd / n_head = {cfg.n_embd // cfg.n_head} must be even for RoPE")
+        head_dim = cfg.head_dim or cfg.n_embd // cfg.n_head
+        require(head_dim % 2 == 0, f"head dimension {'n_embd / n_head = ' * (cfg.head_dim is None)}{head_dim} must be "
+                                   f"even for RoPE")
     require(cfg.rope_theta > 0, f"rope_theta must be positive, got {cfg.rope_theta}")
     require(cfg.rope_scaling is None or cfg.arch == "llama", "rope_scaling needs arch: llama (GPT-2 has no RoPE)")
     check_rope_scaling(cfg.rope_scaling, "rope_scaling")

@@ -191,11 +191,11 @@ def _llama_keys(config: dict, folder: str) -> dict:
     scaling = None if kind == "default" else {"rope_type": kind} | {k: rope.get(k) for k in LLAMA3_SCALING}
     check_rope_scaling(scaling, f"init_from: {folder}/")
     n_head = config["num_attention_heads"]
-    if config.get("head_dim", config["hidden_size"] // n_head) * n_head != config["hidden_size"]:
-        raise UserError(f"init_from: {folder}/ has head_dim x heads != hidden_size; model.py needs them equal")
+    head_dim = config.get("head_dim") or config["hidden_size"] // n_head
     return dict(arch="llama", vocab_size=config["vocab_size"], block_size=config["max_position_embeddings"],
                 n_layer=config["num_hidden_layers"], n_head=n_head, n_embd=config["hidden_size"],
                 n_kv_head=config.get("num_key_value_heads", n_head), bias=False,
+                head_dim=None if head_dim * n_head == config["hidden_size"] else head_dim,
                 rope_theta=float(config.get("rope_theta", rope.get("rope_theta", 10000.0))), rope_scaling=scaling,
                 qk_norm=config["architectures"][0] == "Qwen3ForCausalLM", ffn_hidden=config["intermediate_size"],
                 norm_eps=config.get("rms_norm_eps", 1e-6), tie_embeddings=config.get("tie_word_embeddings", False))

@@ -38,6 +38,7 @@ class GPTConfig:
     logit_softcap: float | None = None  # logits squashed into (-cap, cap) by cap * tanh(logits / cap)
     zero_init_proj: bool = False  # output projections start at zero: each block starts as the identity
     value_embeds: int = 0  # the first value_embeds blocks add an embedding of the input tokens to attention's v
+    head_dim: int | None = None  # None: n_embd // n_head (Qwen3 sets its own: heads x head_dim may differ from n_embd)
 
     def __post_init__(self):
         self.n_kv_head = self.n_kv_head or self.n_head
@@ -46,10 +47,7 @@ class GPTConfig:
         self.mlp = self.mlp or ("gelu" if self.arch == "gpt2" else "swiglu")
         if self.ffn_hidden is None:
             self.ffn_hidden = 256 * -(-(8 * self.n_embd // 3) // 256) if self.mlp == "swiglu" else 4 * self.n_embd
-
-    @property
-    def head_dim(self) -> int:
-        return self.n_embd // self.n_head
+        self.head_dim = self.head_dim or self.n_embd // self.n_head
 
 
 def norm(cfg: GPTConfig, width: int) -> nn.Module:
@@ -108,7 +106,7 @@ class CausalSelfAttention(nn.Module):
         self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, cfg.head_dim
         # q, k, v in one matmul: n_head query heads, n_kv_head key and value heads
         self.c_attn = nn.Linear(cfg.n_embd, (cfg.n_head + 2 * cfg.n_kv_head) * cfg.head_dim, bias=cfg.bias)
-        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.c_proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.n_embd, bias=cfg.bias)
         if cfg.qk_norm:  # Qwen3: RMSNorm of each head's q and k, before the rotation
             self.ln_q, self.ln_k = norm(cfg, cfg.head_dim), norm(cfg, cfg.head_dim)
         if layer < cfg.value_embeds:  # modded-nanogpt's value embeddings: v mixed with a token embedding
@@ -137,7 +135,7 @@ class CausalSelfAttention(nn.Module):
         # SDPA picks flash / memory-efficient kernels on GPU, a fused flash kernel on CPU
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
                                            enable_gqa=grouped)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        y = y.transpose(1, 2).contiguous().view(B, T, self.n_head * self.head_dim)
         return self.resid_dropout(self.c_proj(y))
 
 
@@ -259,7 +257,7 @@ class GPT(nn.Module):
         """
         cfg = self.config
         matmul_weights = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
-        attention = 4 * cfg.n_layer * cfg.block_size * cfg.n_embd  # n_head x head_dim = n_embd, GQA or not
+        attention = 4 * cfg.n_layer * cfg.block_size * cfg.n_head * cfg.head_dim  # GQA or not
         return 3 * (2 * matmul_weights + attention)
 
     @torch.no_grad()

@@ -16,18 +16,33 @@ def qwen3_folder(tmp_path_factory) -> str:
     """A small random Qwen3ForCausalLM saved by transformers, with a tokenizer trained here beside it."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
     folder = tmp_path_factory.mktemp("qwen3")
+    # heads x head_dim = 128, not hidden_size, as in Qwen3-0.6B (16 x 128 against 1024)
     config = Qwen3Config(vocab_size=576, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
                          rope_theta=1e6, tie_word_embeddings=True)
     Qwen3ForCausalLM(config).save_pretrained(folder)
     make_tokenizer(folder)  # 500 tokens: fewer than the model's 576 rows
     return str(folder)
 
 
+@pytest.fixture(scope="module")
+def llama_folder(tmp_path_factory) -> str:
+    """A small random LlamaForCausalLM with Llama 3.1's RoPE scaling and an untied head, and a tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    folder = tmp_path_factory.mktemp("llama")
+    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=512, rope_theta=500000.0,
+                         rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                           original_max_position_embeddings=32), tie_word_embeddings=False)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    make_tokenizer(folder)
+    return str(folder)
+
+
 def bare_config(tmp_path, docs) -> str:
     """A config with no model key and no tokenizer: the folder brings them."""
     path = tmp_path / "continue.yaml"
-    path.write_text(f"data_path: {tmp_path / 'prepared'}\ndata_source: {docs}\n")
+    path.write_text(f"data_path: {tmp_path / 'prepared'}\ndata_source: {docs or 'null'}\n")
     return str(path)
 
 
@@ -47,7 +62,7 @@ def test_the_folder_defines_the_model_and_its_tokenizer_feeds_the_run(qwen3_fold
     config = bare_config(tmp_path, docs)
     result = run(tmp_path, config, nproc=2, init_from=qwen3_folder, **SMALL)
     assert result.returncode == 0, result.stderr[-3000:]
-    for key, value in dict(arch="llama", n_layer=2, n_head=4, n_kv_head=2, n_embd=64, ffn_hidden=128, qk_norm="true",
+    for key, value in dict(arch="llama", n_layer=2, n_head=4, n_kv_head=2, n_embd=64, head_dim=32, ffn_hidden=128, qk_norm="true",
                            rope_theta=1000000.0, vocab_size=576, tokenizer=qwen3_folder, block_size=64).items():
         assert f"\n{key}: {value}\n" in result.stdout, key
     assert "step 2/2 | val loss" in result.stdout
@@ -101,3 +116,34 @@ def test_llama3_rope_scaling_gives_transformers_logits_past_the_original_context
     from config import UserError
     with pytest.raises(UserError, match=r"RoPE scaling of type 'yarn' is not built here \(only llama3"):
         read_hf_folder(str(tmp_path))
+
+
+@pytest.mark.parametrize("folder", ["qwen3_folder", "llama_folder"])
+def test_end_to_end_prepare_continue_on_two_ranks_export_and_evaluate(folder, request, tmp_path):
+    """data.py prepare --tokenizer=FOLDER -> init_from: FOLDER on 2 ranks -> export: transformers loads
+    the export, its tokenizer encodes as the folder's, its loss on the val windows is evaluate.py's."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from conftest import evaluated, tool
+    from data import prepare_data
+    from evaluate import val_loss_sums
+    from loader import BatchLoader
+    from tokenizer import HFTokenizer
+    folder = request.getfixturevalue(folder)
+    write_docs(tmp_path / "docs.jsonl", n=200)
+    tool("data.py", "prepare", tmp_path / "prepared", tmp_path / "docs.jsonl", f"--tokenizer={folder}", "--workers=2")
+    result = run(tmp_path, bare_config(tmp_path, None), nproc=2, init_from=folder, **(SMALL | dict(max_iters=4)))
+    assert result.returncode == 0, result.stderr[-3000:]
+    checkpoint = tmp_path / "ckpt" / "fsdp_cpt4.pth"
+    tool("export_hf.py", checkpoint, tmp_path / "hf")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    text = (tmp_path / "docs.jsonl").read_text()[:2000]
+    assert AutoTokenizer.from_pretrained(tmp_path / "hf").encode(text, add_special_tokens=False) == \
+        HFTokenizer(folder).encode_ordinary(text)
+    meta = prepare_data(str(tmp_path / "prepared"), None, folder)
+    loader = BatchLoader({"data": (str(tmp_path / "prepared"), meta)}, SMALL["block_size"], 2, 2, 0, 1, 1337,
+                         torch.device("cpu"))
+    with torch.no_grad():
+        total, windows = val_loss_sums(lambda x: (hf(x).logits, None), loader, SMALL["train_batch"])[0].tolist()
+    assert total / windows == pytest.approx(evaluated(checkpoint), abs=1e-4)

@@ -20,7 +20,8 @@ STDLIB = sysconfig.get_paths()["stdlib"]
 
 def make_tokenizer(folder, vocab_size=500, config=None) -> str:
     """A byte-level BPE trained offline on a few standard-library files, saved as a model folder
-    would hold it: tokenizer.json and tokenizer_config.json (eos <|endoftext|> unless `config`)."""
+    would hold it: tokenizer.json and tokenizer_config.json (eos <|endoftext|> unless `config`; the
+    generic class, or transformers would rebuild it as the model's own tokenizer class)."""
     import tokenizers
     tok = tokenizers.Tokenizer(tokenizers.models.BPE())
     tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -30,8 +31,9 @@ def make_tokenizer(folder, vocab_size=500, config=None) -> str:
     tok.train([os.path.join(STDLIB, "json", name) for name in ("decoder.py", "encoder.py")], trainer)
     os.makedirs(folder, exist_ok=True)
     tok.save(os.path.join(folder, "tokenizer.json"))
-    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
-        json.dump({"eos_token": "<|endoftext|>"} if config is None else config, f)
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:  # the class: transformers loads it as it is
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast"} | (
+            {"eos_token": "<|endoftext|>"} if config is None else config), f)
     return str(folder)
 
 
