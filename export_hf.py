@@ -91,6 +91,18 @@ def bytes_to_char(b: int) -> str:
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
+def add_legacy_keys(path: str, keys: dict, dtype: str) -> None:
+    """transformers 5 writes RoPE's settings into rope_parameters and the dtype as `dtype`, which
+    transformers 4 does not read (it would run plain RoPE at theta 10,000): the 4.x keys go beside
+    them, with the same values, so that both load the same model."""
+    with open(path) as f:
+        config = json.load(f)
+    legacy = {k: keys[k] for k in ("rope_theta", "rope_scaling") if k in keys}
+    config |= legacy | {"torch_dtype": {"fp32": "float32", "bf16": "bfloat16"}[dtype]}
+    with open(path, "w") as f:
+        json.dump(config, f, indent=2)
+
+
 def export(checkpoint: str, out_dir: str, dtype: str = "fp32", max_shard_size: str = "5GB") -> None:
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -104,6 +116,8 @@ def export(checkpoint: str, out_dir: str, dtype: str = "fp32", max_shard_size: s
     model.load_state_dict(to_hf(state, cfg))
     model.to(DTYPES[dtype]).config.torch_dtype = DTYPES[dtype]
     model.save_pretrained(out_dir, max_shard_size=max_shard_size)
+    # a fresh dict: AutoConfig took `keys` and wrote into its rope_scaling
+    add_legacy_keys(os.path.join(out_dir, "config.json"), hf_config(cfg, tokenizer.eot_token), dtype)
     save_tokenizer(tokenizer, out_dir, cfg.block_size)
     print(f"wrote {out_dir}/ ({hf_architecture(cfg)} in {dtype}, tokenizer files of '{ckpt['config']['tokenizer']}') "
           f"from {checkpoint}, step {ckpt['step']}")
