@@ -2,11 +2,15 @@
 config contradicts is refused naming both values), its tokenizer is the run's, its vocabulary stays
 the model's, block_size is the run's choice up to the folder's positions."""
 import os
+import sys
 
 import pytest
 
-from conftest import ROOT, launch, overrides
+from conftest import ROOT, launch, overrides, tool
 from test_hf_tokenizer import make_tokenizer, write_docs
+
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+from mc_cost import write_items  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -79,6 +83,10 @@ def test_the_folder_defines_the_model_and_its_tokenizer_feeds_the_run(qwen3_fold
     mismatched = run(tmp_path, config, init_from=qwen3_folder,
                              **(SMALL | dict(tokenizer=other)))
     assert mismatched.returncode == 2 and f"not with this run's {other}" in mismatched.stderr
+    # data prepared with another tokenizer than the model's: refused, the model's tokenizer named
+    tool("data.py", "prepare", tmp_path / "other_data", docs, f"--tokenizer={other}")
+    refused = run(tmp_path, config, init_from=qwen3_folder, **(SMALL | dict(data_path=str(tmp_path / "other_data"))))
+    assert refused.returncode == 2 and f"not with this run's {qwen3_folder} (sha256" in refused.stderr
     assert os.path.isfile(tmp_path / "prepared" / "meta.json")
 
 
@@ -127,7 +135,7 @@ def test_end_to_end_prepare_continue_on_two_ranks_export_and_evaluate(folder, re
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from conftest import evaluated, tool
+    from conftest import evaluated
     from data import prepare_data
     from evaluate import val_loss_sums
     from loader import BatchLoader
@@ -149,3 +157,19 @@ def test_end_to_end_prepare_continue_on_two_ranks_export_and_evaluate(folder, re
     with torch.no_grad():
         total, windows = val_loss_sums(lambda x: (hf(x).logits, None), loader, SMALL["train_batch"])[0].tolist()
     assert total / windows == pytest.approx(evaluated(checkpoint), abs=1e-4)
+    # sampling and multiple-choice evaluation take the run's tokenizer from the checkpoint
+    assert tool("sample.py", checkpoint, "--max_new_tokens", "8", "--seed", "1").strip()
+    write_items(tmp_path / "mc.jsonl", 8, seed=0)
+    assert "acc_norm" in tool("evaluate.py", checkpoint, "--mc", tmp_path / "mc.jsonl")
+
+
+@pytest.mark.compat
+def test_a_folder_of_another_architecture_is_named(tmp_path):
+    import json
+
+    from config import UserError
+    from hf_format import hf_model_keys
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["MistralForCausalLM"], "hidden_size": 64}))
+    with pytest.raises(UserError, match=rf"init_from: {tmp_path}/ holds a MistralForCausalLM; this trainer starts "
+                                        rf"from GPT2LMHeadModel, LlamaForCausalLM, Qwen3ForCausalLM"):
+        hf_model_keys(str(tmp_path))
