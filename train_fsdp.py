@@ -15,7 +15,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.nn.parallel import DistributedDataParallel
 
 from ckpt_format import check_model_shape
-from config import UserError, help_text, parse_args, to_yaml, validate
+from config import UserError, parse_args, to_yaml, validate
+from config_help import help_text
 from data import prepare_sources
 from tokenizer import check_data_tokenizer, get_tokenizer, is_hf_tokenizer
 from evaluate import val_losses, val_loss_sums

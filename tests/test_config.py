@@ -38,20 +38,21 @@ def test_rejected(argv, message):
 
 def test_every_key_has_a_meaning_and_help_lists_them_all():
     import config
+    import config_help
     for f in config.FIELDS.values():
         assert len(f.metadata.get("meaning", "")) > 10, f"config key '{f.name}' has no meaning: give it one with key()"
-    text = config.help_text()
+    text = config_help.help_text()
     assert all(f"  --{name}=" in text for name in config.FIELDS)
-    groups = config.grouped_keys()
-    assert list(groups) == list(config.GROUPS.values())
+    groups = config_help.grouped_keys()
+    assert list(groups) == list(config_help.GROUPS.values())
     assert [f.name for fields in groups.values() for f in fields] == list(config.FIELDS)
 
 
 def test_docs_config_page_is_the_generated_table():
     import os
-    import config
+    import config_help
     from conftest import ROOT
     with open(os.path.join(ROOT, "docs", "config.md")) as f:
         page = f.read()
-    assert config.keys_markdown() in page, ('docs/config.md differs from config.py: regenerate its tables with '
-                                            'python -c "import config; print(config.keys_markdown())"')
+    assert config_help.keys_markdown() in page, ('docs/config.md differs from config.py: regenerate its tables with '
+                                                 'python -c "import config_help; print(config_help.keys_markdown())"')
