@@ -16,6 +16,7 @@ process with `os._exit` after all I/O is done. Why not a normal interpreter exit
 import atexit
 import os
 import sys
+import threading
 import traceback
 from dataclasses import dataclass
 from typing import Callable, NoReturn
@@ -26,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from config import UserError, exit_code
 from precision import pick_device
-from watchdog import nccl_failure_settings, process_group_timeout
+from watchdog import FIRED, nccl_failure_settings, process_group_timeout
 
 # strategy -> (mesh layout, reshard parameters after forward)
 STRATEGY_TABLE = {
@@ -173,6 +174,8 @@ def run_entry_point(body: Callable[[], int | None]) -> NoReturn:
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except BaseException:  # noqa: BLE001 - the traceback is printed; the exit code says it failed
+        if FIRED.is_set():  # a hang is being reported (peers leaving broke this collective): it ends the process
+            threading.Event().wait()
         traceback.print_exc()
         code = 1
     if returned and dist.is_initialized():

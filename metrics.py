@@ -101,14 +101,17 @@ class ProgressLog:
     """Created on every rank; only rank 0 prints and writes TensorBoard events."""
 
     def __init__(self, enabled: bool, tensorboard_dir: str, max_iters: int, tokens_per_step: int,
-                 flops_per_token: int, device: torch.device, dtype: torch.dtype, world_size: int):
+                 flops_per_token: int, device: torch.device, dtype: torch.dtype, world_size: int, resumed_at: int = 0):
+        """resumed_at: the step a resumed run continues after. What an abandoned stretch of the run
+        logged past it is purged from TensorBoard's view (purge_step), so each step shows once,
+        with the resumed run's values."""
         self.enabled, self.max_iters = enabled, max_iters
         self.tokens_per_step, self.flops_per_token, self.peak_flops = tokens_per_step, flops_per_token, None
         self.writer = None
         if enabled:  # the other ranks neither log nor measure (a CPU's peak is measured, not looked up)
             from torch.utils.tensorboard import SummaryWriter
             os.makedirs(tensorboard_dir, exist_ok=True)
-            self.writer = SummaryWriter(log_dir=tensorboard_dir)
+            self.writer = SummaryWriter(log_dir=tensorboard_dir, purge_step=resumed_at + 1 if resumed_at else None)
             peak = device_peak_flops(device, dtype)
             if peak is None:
                 print(f"note: MFU unknown for GPU '{torch.cuda.get_device_name(device)}': add its dense peak FLOP/s "

@@ -274,7 +274,7 @@ def train(cfg) -> None:
     loader = open_loader(cfg, sources, topo, ckpt.train_state, step)
     tokens_per_step = cfg.train_batch * cfg.block_size
     log = ProgressLog(topo.is_main, cfg.tensorboard_dir, cfg.max_iters, tokens_per_step, gpt.flops_per_token(),
-                      device, dtype, world)
+                      device, dtype, world, resumed_at=step)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     guard = NonFiniteGuard(device, cfg.max_skipped_steps)
     compute = forward_context(cfg, topo)

@@ -29,6 +29,7 @@ from datetime import timedelta
 
 import torch
 
+FIRED = threading.Event()  # set while a hang is reported: the process ends through the watchdog, not its main thread
 TICK = 1.0  # seconds between the thread's looks at the clock
 ANSWER_WAIT = 10.0  # seconds a rank waits for the others' answers before it reports
 BACKSTOP = 60  # seconds past the longest bound at which the process group's own timeout fires
@@ -91,6 +92,15 @@ class Watchdog:
                 self._report(*phase[:3])
 
     def _report(self, what: str, bound: float, key: str) -> None:
+        FIRED.set()  # peers that leave first break this rank's collectives: its main thread stays quiet
+        try:
+            self._say(what, bound, key)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+
+    def _say(self, what: str, bound: float, key: str) -> None:
         os.makedirs(self.dir, exist_ok=True)
         stacks = os.path.join(self.dir, f"stacks_rank{self.rank}_attempt{self.attempt}.txt")
         with open(stacks, "w") as f:
@@ -111,9 +121,6 @@ class Watchdog:
                 parts.append("every rank waits: mismatched collectives (each rank's stack shows its own)")
             sys.stderr.write(f"error: {what} overran {key}={bound:g} s: {'; '.join(parts)}. Stacks: "
                              f"{self.dir}/stacks_rank*_attempt{self.attempt}.txt\n")
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
 
     def _gather(self, mine: str) -> dict[int, str] | None:
         """Post where this rank is and wait up to ANSWER_WAIT for the others. The lowest rank that

@@ -308,3 +308,20 @@ def test_sets_without_an_index_still_load(two_rank_runs, corpus, tmp_path):
     expected = scalars(os.path.join(two_rank_runs["sharded"], "tb"), "train/loss")
     got = scalars(str(tmp_path / "resumed" / "tb"), "train/loss")
     assert sorted(got) == [4, 5, 6] and all(got[s] == expected[s] for s in got)
+
+
+def test_tensorboard_shows_each_step_once_after_a_resume(corpus, tmp_path):
+    """A run logged steps 1-6; resumed from its step-3 checkpoint with another learning rate, its steps
+    4-6 are an abandoned stretch. TensorBoard's own reader of the folder (as its UI loads it) shows
+    each step once, 4-6 with the resumed run's values."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    run_trainer(str(tmp_path), max_iters=6, save_interval=3, **corpus)
+    abandoned = scalars(str(tmp_path / "tb"), "train/loss")
+    run_trainer(str(tmp_path), max_iters=6, save_interval=3, learning_rate=1e-5, checkpoint_dir=str(tmp_path / "again"),
+                resume_from=str(tmp_path / "ckpt" / "fsdp_cpt3.pth"), **corpus)
+    shown = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0})
+    shown.Reload()
+    events = shown.Scalars("train/loss")
+    assert [e.step for e in events] == [1, 2, 3, 4, 5, 6]
+    assert all(e.value == pytest.approx(abandoned[e.step], rel=1e-6) for e in events[:3])
+    assert all(e.value != pytest.approx(abandoned[e.step], rel=1e-6) for e in events[3:])
