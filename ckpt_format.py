@@ -105,7 +105,10 @@ def save_atomically(obj: dict, path: str) -> None:
     """Temp file, fsync, rename: the final name only ever holds a complete file. A failed write
     removes its temp file and raises WriteFailed naming the file and the OS's reason."""
     tmp = f"{path}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    except OSError as e:  # no room even for the name, a quota on files, a read-only filesystem
+        raise WriteFailed(_write_failure(path, e, obj)) from None
     out = _WriteThrough(fd)
     try:
         torch.save(obj | {"crc32": _crc32(obj)}, out)

@@ -113,6 +113,9 @@ class CheckpointManager:
                 "rank": self.topo.rank, "world_size": self.topo.world_size}
             path, marker = shard_path(self.dir, step, self.topo.rank), marker_path(self.dir, step)
             writes = [(self._header(step, data_state) | state, path)]
+            # an older set of this step (a fresh start in a used folder) stops being visible before any
+            # rank replaces its files: a mix of old and new files is never claimed complete
+            agree(lambda: os.remove(marker) if self.topo.is_main and os.path.exists(marker) else None)
         self._pending = {"step": step, "path": path, "marker": marker, "error": None,
                          "layout": layout(state) if marker else None}
         if self.cfg.async_save:

@@ -20,6 +20,7 @@ import datetime
 import json
 import os
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -64,15 +65,24 @@ class RunLock:
                 threading.Thread(target=self._renew, daemon=True, name="run-lock").start()
                 return note
             holder = self._read()
-            if holder is None:  # removed or being replaced meanwhile: look again
-                continue
-            reason = self._stale(holder) or self._watch(holder)
+            if holder is None:  # removed meanwhile, or not a lock this code wrote
+                if os.path.exists(self.path) and self._unreadable_for(self.stale_after):
+                    holder = {"host": "?", "pid": "?", "since": "?", "token": None}
+                    reason = f"unreadable for {self.stale_after:.0f} s"
+                else:
+                    continue
+            else:
+                reason = self._stale(holder) or self._watch(holder)
+            aside = f"{self.path}.stale.{self.me['token']}"
             try:  # set the stale hold aside (one taker wins the rename), then try again
-                aside = f"{self.path}.stale.{self.me['token']}"
                 os.rename(self.path, aside)
-                os.remove(aside)
             except FileNotFoundError:
                 continue
+            if (self._read(aside) or {}).get("token") != holder["token"]:
+                os.link(aside, self.path)  # another taker's fresh lock, renamed by mistake: put it back
+                os.remove(aside)
+                continue
+            os.remove(aside)
             note = (f"took over {self.path} from a dead run (host {holder['host']}, pid {holder['pid']}, since "
                     f"{holder['since']}): {reason}")
 
@@ -94,12 +104,19 @@ class RunLock:
         finally:
             os.remove(tmp)
 
-    def _read(self) -> dict | None:
+    def _read(self, path: str | None = None) -> dict | None:
         try:
-            with open(self.path) as f:
-                return json.load(f)
-        except (FileNotFoundError, json.JSONDecodeError):
+            with open(path or self.path) as f:
+                holder = json.load(f)
+        except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
             return None
+        return holder if isinstance(holder, dict) and {"host", "pid", "since", "token"} <= holder.keys() else None
+
+    def _unreadable_for(self, seconds: float) -> bool:
+        """A file at the lock's name that is no lock (made by hand, or cut short) and stays so."""
+        time.sleep(min(1.0, seconds))
+        age = self._age()
+        return age is not None and age > seconds and self._read() is None
 
     def _age(self) -> float | None:
         """Seconds since the lock was last touched, by the folder's own clock (None: it is gone)."""
@@ -126,7 +143,10 @@ class RunLock:
 
     def _watch(self, holder: dict) -> str:
         """A young hold: a live holder renews it within RENEW_EVERY (refused), a dead one ages out."""
-        touched = os.stat(self.path).st_mtime
+        try:
+            touched = os.stat(self.path).st_mtime
+        except FileNotFoundError:
+            return "it was released"
         while True:
             time.sleep(min(1.0, self.renew_every / 4))
             try:
@@ -143,6 +163,13 @@ class RunLock:
     def _renew(self) -> None:
         while not self._stop.wait(self.renew_every):
             holder = self._read()
-            if holder is None or holder["token"] != self.me["token"]:
-                return  # released, or taken over after this process stalled past STALE_AFTER
-            os.utime(self.path)  # now, by the filesystem's clock
+            if holder is None and not self._stop.is_set():  # removed by hand: hold the folder again
+                self._create()
+            elif holder is not None and holder["token"] != self.me["token"]:
+                # taken over after this process stalled past STALE_AFTER: another run writes here now
+                sys.stderr.write(f"error: {self.path} was taken over by host {holder['host']}, pid {holder['pid']} "
+                                 f"while this run stalled: this run stops so that one run writes there\n")
+                sys.stderr.flush()
+                os._exit(1)
+            else:
+                os.utime(self.path)  # now, by the filesystem's clock

@@ -56,10 +56,12 @@ class StopRequest:
             os._exit(130)
         self.received = self.received or name
 
-    def listen(self) -> None:
+    def listen(self, timeout) -> None:
         """Right before the first step, on every rank (collectives): the exchange of what start-up
-        received is read after the first step."""
-        self.group = dist.new_group(backend="gloo")
+        received is read after the first step. `timeout`: the process group's (a new group would
+        take torch's 30-minute default). Under NCCL the exchange needs gloo to reach every node too
+        (GLOO_SOCKET_IFNAME where the default interface does not)."""
+        self.group = dist.new_group(backend="gloo", timeout=timeout)
         self._exchange()
 
     def _exchange(self) -> None:

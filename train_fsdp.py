@@ -33,7 +33,7 @@ from muon import MuonWithAdamW, is_muon_matrix
 from precision import DTYPES, autocast, check_offload, compute_dtype
 from schedule import lr_at
 from stop import StopRequest
-from watchdog import Watchdog
+from watchdog import Watchdog, process_group_timeout
 from sample import complete
 
 def initial_state(cfg, gpt_cfg: GPTConfig) -> dict:
@@ -270,6 +270,7 @@ def train(cfg) -> None:
     gpt = getattr(model, "module", model)  # the GPT under a DDP wrapper; FSDP2 keeps the module itself
     optimizer = build_optimizer(cfg, gpt, device)
     ckpt = CheckpointManager(cfg, topo)
+    watchdog.arm("the resume", cfg.init_timeout, "init_timeout")
     step = ckpt.resume(cfg.resume_from, model, optimizer)
     loader = open_loader(cfg, sources, topo, ckpt.train_state, step)
     tokens_per_step = cfg.train_batch * cfg.block_size
@@ -279,10 +280,11 @@ def train(cfg) -> None:
     guard = NonFiniteGuard(device, cfg.max_skipped_steps)
     compute = forward_context(cfg, topo)
     if step == 0:
+        watchdog.arm("the eval at step 0", cfg.init_timeout, "init_timeout")
         log.val(0, *evaluate(model, gpt, loader, cfg, tokenizer, mc_sets, compute))
     log.start(step)
     first_step = step + 1
-    stop.listen()
+    stop.listen(process_group_timeout(cfg))
     while step < cfg.max_iters:
         step += 1
         # the first step compiles and warms up: start-up's bound; every later one: collective_timeout
@@ -330,10 +332,11 @@ def train(cfg) -> None:
     watchdog.arm("the last save", cfg.init_timeout, "init_timeout")
     ckpt.close()
     log.close(per_rank_memory(model, optimizer, device))
+    code = stop.close()
     watchdog.close()
     if topo.is_main:
         print(f"done: last checkpoint {ckpt.last_saved}, TensorBoard logs in {cfg.tensorboard_dir}/", flush=True)
-    return stop.close()
+    return code
 
 
 if __name__ == "__main__":

@@ -275,3 +275,13 @@ def test_a_lost_node_costs_the_steps_since_the_last_save(corpus, tmp_path):
     assert resumed_at >= 2 and time.monotonic() - killed < 120
     expected = scalars(str(tmp_path / "uninterrupted" / "tb"), "train/loss")
     assert scalars(str(tmp_path / "tb"), "train/loss")[12] == pytest.approx(expected[12], rel=1e-4)
+
+
+def test_a_lock_file_that_is_no_lock_ages_out_and_a_removed_lock_comes_back(tmp_path):
+    (tmp_path / run_lock.NAME).write_text("")  # made by hand: no holder to name, no renewal
+    lock = run_lock.RunLock(str(tmp_path), renew_every=0.2, stale_after=1)
+    assert "unreadable for 1 s" in lock.acquire()
+    os.remove(tmp_path / run_lock.NAME)  # a user cleaning up mid-run: the live run holds its folder again
+    time.sleep(0.6)
+    assert json.loads((tmp_path / run_lock.NAME).read_text())["token"] == lock.me["token"]
+    lock.release()
