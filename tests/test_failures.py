@@ -94,16 +94,20 @@ def test_a_dead_process_on_this_host_is_taken_over_at_once(tmp_path):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     hold(tmp_path, pid=int(dead.stdout))
     started = time.monotonic()
-    note = run_lock.RunLock(str(tmp_path), stale_after=30).acquire()
+    lock = run_lock.RunLock(str(tmp_path), stale_after=30)
+    note = lock.acquire()
     assert time.monotonic() - started < 2
     assert f"its process {dead.stdout.strip()} on this host is gone" in note
+    lock.release()
 
 
 def test_an_earlier_attempt_of_the_same_torchrun_job_is_taken_over_at_once(tmp_path, monkeypatch):
     hold(tmp_path, host="node-7", run="job42", attempt=0)
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job42")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    assert "it was attempt 0 of this torchrun job" in run_lock.RunLock(str(tmp_path), stale_after=30).acquire()
+    lock = run_lock.RunLock(str(tmp_path), stale_after=30)
+    assert "it was attempt 0 of this torchrun job" in lock.acquire()
+    lock.release()
 
 
 def test_a_holder_on_another_host_is_judged_by_its_renewals(tmp_path):
@@ -112,12 +116,15 @@ def test_a_holder_on_another_host_is_judged_by_its_renewals(tmp_path):
     hold(tmp_path, host="node-7")
     old = time.time() - 100
     os.utime(tmp_path / run_lock.NAME, (old, old))
-    assert "not renewed for 100 s" in run_lock.RunLock(str(tmp_path), stale_after=60).acquire()
-    os.remove(tmp_path / run_lock.NAME)
+    lock = run_lock.RunLock(str(tmp_path), stale_after=60)
+    assert "not renewed for 100 s" in lock.acquire()
+    lock.release()  # (a lock removed under a live holder is made again: released, it is not)
     hold(tmp_path, host="node-7")
     started = time.monotonic()
-    assert "not renewed for 2 s" in run_lock.RunLock(str(tmp_path), stale_after=2).acquire()
+    lock = run_lock.RunLock(str(tmp_path), stale_after=2)
+    assert "not renewed for 2 s" in lock.acquire()
     assert 1 < time.monotonic() - started < 5
+    lock.release()
 
 
 @pytest.mark.slow
