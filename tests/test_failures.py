@@ -225,7 +225,9 @@ def test_ctrl_c_saves_the_step_and_stops_every_rank(nproc, corpus, tmp_path):
     stopped = [line for line in output.splitlines() if line.startswith("Ctrl-C: stopped after step")]
     assert len(stopped) == 1, output[-3000:]
     step = int(stopped[0].split()[4])
-    assert 4 <= step <= 6 and os.listdir(tmp_path / "ckpt") == [f"fsdp_cpt{step}.pth"]
+    # pressed after step 4's line: the ranks agree one step after the signal's (steps take 0.5 s here;
+    # the slack is the test's own polling on a loaded machine), long before the run's end at 100
+    assert 4 <= step <= 10 and os.listdir(tmp_path / "ckpt") == [f"fsdp_cpt{step}.pth"]
     for noise in ("KeyboardInterrupt", "Connection closed by peer", "error:"):
         assert noise not in output
     if nproc == 1:
