@@ -96,7 +96,7 @@ class Watchdog:
         self.dir, self.attempt = os.path.join(run_dir, "hang"), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         self.store = own_store(topo.store)
         self.prefix = f"watchdog/{self.attempt}/"
-        self.phase = None  # (step, what, bound in seconds, started at)
+        self.phase = None  # (what, bound in seconds, its config key, started at)
         self.main = threading.main_thread().ident
         self._stop = threading.Event()
         threading.Thread(target=self._watch, daemon=True, name="watchdog").start()
