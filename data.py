@@ -213,9 +213,9 @@ class _Progress:
               f"tokens | {rate / 1e6:.1f} MB/s | ETA {eta:.0f}s", flush=True)
 
 
-def _prepare(data_path: str, sources, tokenizer_name: str, workers: int = 1, text_field: str = "text",
+def _prepare(data_path: str, sources, tokenizer_name: str, tokenizer, workers: int = 1, text_field: str = "text",
              skip_bad: bool = False) -> None:
-    tokenizer = get_tokenizer(tokenizer_name)
+    """tokenizer: get_tokenizer(tokenizer_name) (each worker loads its own by name)."""
     tokenizer_name = tokenizer.name if is_hf_tokenizer(tokenizer_name) else tokenizer_name  # an absolute path
     dtype = np.dtype(np.uint16 if tokenizer.n_vocab <= 1 << 16 else np.uint32)
     files = source_files(sources)
@@ -287,12 +287,12 @@ def prepare_data(data_path: str, sources, tokenizer: str, **options) -> dict:
         if not sources:
             raise UserError(f"no prepared data in '{data_path}' (train.bin, val.bin) and no data_source to prepare it "
                             f"from: python data.py prepare {data_path} YOUR_TEXT --tokenizer {tokenizer}")
-        get_tokenizer(tokenizer)  # a bad tokenizer is refused before anything is written
+        loaded = get_tokenizer(tokenizer)  # a bad tokenizer is refused before anything is written
         os.makedirs(data_path, exist_ok=True)
         with open(os.path.join(data_path, ".prepare.lock"), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if not _is_prepared(data_path):
-                _prepare(data_path, sources, tokenizer, **options)
+                _prepare(data_path, sources, tokenizer, loaded, **options)
     if shards := llmc_shards(data_path, "train"):
         fmt = LLMC_FORMATS[llmc_header(shards[0])[0]]
         return {"tokenizer": fmt.tokenizer, "vocab_size": fmt.vocab_size, "eot_token": fmt.separator,

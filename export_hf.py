@@ -32,8 +32,8 @@ def oniguruma_pattern(pattern: str) -> str:
     return re.sub(r"([+*?}])\+", r"\1", pattern).replace("$", r"\z")
 
 
-def save_bpe(ranks: dict[bytes, int], special: dict[str, int], pattern: str | None, eot: str, out_dir: str) -> None:
-    """A byte-level BPE (tiktoken's ranks) as Hugging Face tokenizer files."""
+def save_bpe(ranks: dict[bytes, int], special: dict[str, int], pattern: str | None, eot: int, out_dir: str) -> None:
+    """A byte-level BPE (tiktoken's ranks) as Hugging Face tokenizer files; `eot`: the separator's id."""
     from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers
     from tokenizers.models import BPE
     from transformers import PreTrainedTokenizerFast
@@ -55,7 +55,8 @@ def save_bpe(ranks: dict[bytes, int], special: dict[str, int], pattern: str | No
         pre_tokenizers.Split(Regex(oniguruma_pattern(pattern)), behavior="isolated"), byte_level])
     bpe.decoder = decoders.ByteLevel()
     bpe.add_special_tokens(list(special))
-    PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=eot, eos_token=eot).save_pretrained(out_dir)
+    eot_text = next(token for token, i in vocab.items() if i == eot)
+    PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=eot_text, eos_token=eot_text).save_pretrained(out_dir)
 
 
 def save_tokenizer(tokenizer, out_dir: str, block_size: int) -> None:
@@ -70,10 +71,10 @@ def save_tokenizer(tokenizer, out_dir: str, block_size: int) -> None:
                 shutil.copy(os.path.join(source, name), out_dir)
         return
     if isinstance(tokenizer, ByteTokenizer):
-        save_bpe({bytes([b]): b for b in range(256)}, {}, None, bytes_to_char(0), out_dir)
+        save_bpe({bytes([b]): b for b in range(256)}, {}, None, tokenizer.eot_token, out_dir)
     else:
-        save_bpe(tokenizer._mergeable_ranks, tokenizer._special_tokens, tokenizer._pat_str,
-                 tokenizer.decode([tokenizer.eot_token]), out_dir)
+        save_bpe(tokenizer._mergeable_ranks, tokenizer._special_tokens, tokenizer._pat_str, tokenizer.eot_token,
+                 out_dir)
     path = os.path.join(out_dir, "tokenizer_config.json")
     with open(path) as f:
         config = json.load(f)
@@ -81,11 +82,6 @@ def save_tokenizer(tokenizer, out_dir: str, block_size: int) -> None:
     config |= {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": block_size}
     with open(path, "w") as f:
         json.dump(config, f, indent=2)
-
-
-def bytes_to_char(b: int) -> str:
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-    return bytes_to_unicode()[b]
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -1,9 +1,9 @@
 """Stopping on request: SIGTERM (what schedulers send before preemption) and Ctrl-C (SIGINT).
 
 The first of either asks every rank to stop with a checkpoint at a step boundary; a second signal
-stops at once, without one (but for SIGTERM after SIGTERM). One line each, no traceback. Exit codes: 0 after
-SIGTERM (the job is done as far as a scheduler is concerned), 130 after Ctrl-C (128 + SIGINT,
-the shell's "interrupted").
+stops at once, without one (but for SIGTERM after SIGTERM). One line each, no traceback. Exit
+codes: 0 after SIGTERM (the job is done as far as a scheduler is concerned), 130 after Ctrl-C
+(128 + SIGINT, the shell's "interrupted").
 
 Ranks see a signal at different moments, so they agree through a collective, at no cost to the
 step: at every step boundary each rank starts an all-reduce (MAX) of its flag on a gloo group of
@@ -26,8 +26,9 @@ REQUESTS = {1: ("SIGTERM", 0), 2: ("Ctrl-C", 130)}  # what the ranks exchange: (
 
 def follow_the_agent() -> None:
     """Under torchrun only the agent sees Ctrl-C (each worker has a session of its own): it passes the
-    first on as SIGINT, and dies of the second. A worker then gets SIGINT again from the kernel when
-    its agent dies (PR_SET_PDEATHSIG, Linux), which is the second Ctrl-C: it stops at once."""
+    first on as SIGINT and the second as SIGTERM. A worker whose agent dies without passing it on
+    (a third Ctrl-C, a crash) gets SIGINT from the kernel (PR_SET_PDEATHSIG, Linux): so no worker
+    outlives its launch."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGINT)  # PR_SET_PDEATHSIG

@@ -14,7 +14,6 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from ckpt_format import check_model_shape
 from config import UserError, parse_args, to_yaml, validate
 from config_help import help_text
 from data import prepare_sources
@@ -38,12 +37,8 @@ from sample import complete
 
 def initial_state(cfg, gpt_cfg: GPTConfig) -> dict:
     """The full starting weights: a Hugging Face folder's (init_from), or the seed's."""
-    if cfg.init_from:
-        keys, state = read_hf_folder(cfg.init_from)
-        # the rotary layouts' block_size is the run's choice (define_model checked it against the folder)
-        check_model_shape(f"init_from {cfg.init_from}", keys | {"block_size": cfg.block_size} if keys["arch"] != "gpt2"
-                          else keys, cfg, action="start from it")
-        return state
+    if cfg.init_from:  # define_model made cfg the folder's model: its tensors fit
+        return read_hf_folder(cfg.init_from)[1]
     torch.manual_seed(cfg.seed)
     return GPT(gpt_cfg).state_dict()
 
