@@ -1,5 +1,6 @@
 """Shared helpers: a tiny corpus, a tiny model config, launching the real trainer (through the
 zygote), and the runs many tests read, launched once per session."""
+import atexit
 import contextlib
 import fcntl
 import os
@@ -70,6 +71,9 @@ def zygote_socket(allocator: tuple = ()) -> str:
                                    env=dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
                                             PYTHONUNBUFFERED="1", **dict(allocator)))
         assert process.stdout.readline().strip() == "ready"
+        # it holds an imported torch (~200 MB): left running, each test session's zygotes piled up
+        # until the machine ran out of memory
+        atexit.register(process.kill)
         _zygote[allocator] = (process, path)
     return _zygote[allocator][1]
 
