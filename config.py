@@ -154,6 +154,19 @@ class TrainConfig:
     sample_tokens: int = key(64, "tokens of text sampled at each eval into TensorBoard (0: none)")
     tensorboard_dir: str = key("tensorboard", "where TensorBoard events go")
     seed: int = key(1337, "initial weights, the data order and dropout masks follow from it")
+    straggler_ratio: float = key(1.2, "a log line names the slowest rank when its own time per step (data + "
+                                      "compute) is this many times the median rank's")
+    spike_zscore: float = key(6.0, "a step whose loss is this many standard deviations above the mean of the last "
+                                   "spike_window steps is a spike: named, counted in train/spikes (0: off)")
+    spike_window: int = key(100, "steps of loss history a spike is judged against")
+    spike_skip: bool = key(False, "skip a spike's update on every rank, as a non-finite step is (not with fp16)")
+    profile_steps: list | None = key(None, "[first, last]: torch.profiler traces of these steps, one per rank, into "
+                                           "{tensorboard_dir}/profile/")
+    memory_snapshot_steps: list | None = key(None, "[first, last]: CUDA's allocator history over these steps, a "
+                                                   "snapshot per rank into {tensorboard_dir}/profile/")
+    wandb_project: str | None = key(None, "also log to this Weights & Biases project (pip install wandb; rank 0)")
+    wandb_entity: str | None = key(None, "the wandb team or user; null: wandb's default")
+    wandb_name: str | None = key(None, "the wandb run's display name; null: wandb's")
     init_timeout: float = key(900.0, "seconds start-up (after data preparation), the first step (compilation), "
                                      "each eval and each save may take before the run stops as hung "
                                      "(docs/reliability.md)")
@@ -318,6 +331,13 @@ def validate(cfg: TrainConfig) -> None:
     require(cfg.init_timeout > 0 and cfg.collective_timeout > 0,
             f"init_timeout and collective_timeout must be positive seconds, got {cfg.init_timeout} and "
             f"{cfg.collective_timeout}")
+    require(cfg.straggler_ratio >= 1, f"straggler_ratio must be 1 or more, got {cfg.straggler_ratio}")
+    require(cfg.spike_zscore >= 0 and cfg.spike_window >= 4,
+            f"spike_zscore must be 0 (off) or more and spike_window 4 or more, got {cfg.spike_zscore} and {cfg.spike_window}")
+    for name in ("profile_steps", "memory_snapshot_steps"):
+        window = getattr(cfg, name)
+        require(window is None or (len(window) == 2 and all(type(s) is int for s in window) and 1 <= window[0] <= window[1]),
+                f"{name} must be [first, last] steps, 1 <= first <= last, got {window!r}")
     require(cfg.max_skipped_steps >= 1, f"max_skipped_steps must be 1 or more, got {cfg.max_skipped_steps}")
     validate_mixture(cfg)
 

@@ -90,14 +90,16 @@ class CheckpointManager:
             agree(lambda: os.makedirs(os.path.join(self.dir, "hang"), exist_ok=True))
 
     # ---- saving ----
-    def _header(self, step: int, data_state: dict | None) -> dict:
+    def _header(self, step: int, run_state: dict | None) -> dict:
         cfg = self.cfg
         return {"step": step, "model_config": cfg.model_shape | {"dropout": cfg.dropout}, "config": to_dict(cfg),
-                "train_state": {"next_step": step + 1, "seed": cfg.seed, "data": data_state}}
+                "train_state": {"next_step": step + 1, "seed": cfg.seed} | (run_state or {})}
 
-    def save(self, step: int, model, optimizer, data_state: dict | None = None) -> None:
+    def save(self, step: int, model, optimizer, run_state: dict | None = None) -> None:
         """Copy the state off the training tensors, then write it (in the background with async_save).
-        A state holding a non-finite value is never written: every rank stops instead."""
+        run_state: the loop's own state, alike on every rank, kept as the checkpoint's train_state
+        (data, spike window, wandb run). A state holding a non-finite value is never written: every
+        rank stops instead."""
         self.wait()  # one save in flight at a time
         self._refuse_non_finite(step, model, optimizer)
         if self.cfg.checkpoint_type == "full":
@@ -107,12 +109,12 @@ class CheckpointManager:
             path, marker = full_path(self.dir, step), None
             if self.cfg.async_save:  # a 1-rank gather may alias the live tensors: own the bytes
                 state = tree_map_only(torch.Tensor, torch.clone, state)
-            writes = [(self._header(step, data_state) | state, path)] if self.topo.is_main else []
+            writes = [(self._header(step, run_state) | state, path)] if self.topo.is_main else []
         else:
             state = sharded_state(model, optimizer, self.topo.rank) | {
                 "rank": self.topo.rank, "world_size": self.topo.world_size}
             path, marker = shard_path(self.dir, step, self.topo.rank), marker_path(self.dir, step)
-            writes = [(self._header(step, data_state) | state, path)]
+            writes = [(self._header(step, run_state) | state, path)]
             # an older set of this step (a fresh start in a used folder) stops being visible before any
             # rank replaces its files: a mix of old and new files is never claimed complete
             agree(lambda: os.remove(marker) if self.topo.is_main and os.path.exists(marker) else None)

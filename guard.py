@@ -21,13 +21,15 @@ class NonFiniteGuard:
         self.streak = torch.zeros((), device=device)  # consecutive skipped steps up to now
         self.stopped_at = torch.zeros((), device=device)  # the step whose skip made the streak `limit` long
 
-    def check(self, step: int, grad_norm: torch.Tensor, optimizer: torch.optim.Optimizer, scaler) -> None:
-        """Mark step `step` skipped when the gradient norm is not finite. Where fp16's GradScaler is on,
-        it sets the optimizer's found_inf itself (an overflow is non-finite there too)."""
+    def check(self, step: int, grad_norm: torch.Tensor, optimizer: torch.optim.Optimizer, scaler,
+              also_skip: torch.Tensor | None = None) -> None:
+        """Mark step `step` skipped when the gradient norm is not finite; `also_skip` (1: skip, a loss
+        spike) skips the update too without counting here. Where fp16's GradScaler is on, it sets the
+        optimizer's found_inf itself (an overflow is non-finite there too; spikes.py refuses also_skip)."""
         norm = grad_norm.to_local() if isinstance(grad_norm, DTensor) else grad_norm
         bad = (~torch.isfinite(norm)).float()
         if not scaler.is_enabled():
-            optimizer.found_inf = bad
+            optimizer.found_inf = bad if also_skip is None else torch.maximum(bad, also_skip)
         self.skipped += bad
         self.streak = (self.streak + 1) * bad
         self.stopped_at = torch.where((self.streak >= self.limit) & (self.stopped_at == 0), step, self.stopped_at)

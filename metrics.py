@@ -1,8 +1,10 @@
-"""Rank-0 progress reporting: console line, TensorBoard scalars, MFU and memory."""
+"""Rank-0 progress reporting: console line, TensorBoard (and wandb) scalars, MFU, memory, each
+rank's time."""
 import glob
 import math
 import os
 import resource
+import statistics
 import time
 
 import torch
@@ -10,6 +12,8 @@ import torch.distributed as dist
 
 from ckpt_format import local_slice
 from compat import all_gather_flat
+from step_times import COLUMNS as TIME_COLUMNS
+from wandb_log import WandbRun
 
 # Dense peak FLOP/s, no sparsity, from the vendors' data sheets, by the exact name
 # torch.cuda.get_device_name reports ("L40" must not take "L4"'s figure, nor an H100 PCIe an H100
@@ -83,12 +87,21 @@ def state_gb(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> float:
 MEMORY_COLUMNS = ("peak", "reserved", "host", "state")
 
 
-def per_rank_memory(model, optimizer, device: torch.device) -> torch.Tensor:
-    """(world, 4): every rank's GB as MEMORY_COLUMNS. A collective: every rank calls it."""
-    mine = torch.tensor([*device_memory_gb(device), host_peak_gb(), state_gb(model, optimizer)], device=device)
+def per_rank_stats(model, optimizer, device: torch.device, times: list[float] = ()) -> torch.Tensor:
+    """(world, 4 + len(times)): every rank's GB as MEMORY_COLUMNS, then its `times` (StepTimes.row():
+    seconds per step as TIME_COLUMNS). A collective, the log step's only one: every rank calls it."""
+    mine = torch.tensor([*device_memory_gb(device), host_peak_gb(), state_gb(model, optimizer), *times], device=device)
     every = torch.empty(dist.get_world_size() * len(mine), device=device)
     all_gather_flat(every, mine)
     return every.view(-1, len(mine)).cpu()
+
+
+def slowest_rank(times: torch.Tensor) -> tuple[int, float]:
+    """times: (world, TIME_COLUMNS) seconds per step. The rank whose own time (data + compute: not
+    waiting for the others) is the longest, and its ratio to the median rank's."""
+    own = (times[:, 0] + times[:, 1]).tolist()
+    rank = max(range(len(own)), key=own.__getitem__)
+    return rank, own[rank] / max(statistics.median(own), 1e-9)
 
 
 def _duration(seconds: float) -> str:
@@ -100,18 +113,20 @@ def _duration(seconds: float) -> str:
 class ProgressLog:
     """Created on every rank; only rank 0 prints and writes TensorBoard events."""
 
-    def __init__(self, enabled: bool, tensorboard_dir: str, max_iters: int, tokens_per_step: int,
-                 flops_per_token: int, device: torch.device, dtype: torch.dtype, world_size: int, resumed_at: int = 0):
+    def __init__(self, enabled: bool, cfg, tokens_per_step: int, flops_per_token: int, device: torch.device,
+                 dtype: torch.dtype, world_size: int, resumed_at: int = 0, wandb_id: str | None = None):
         """resumed_at: the step a resumed run continues after. What an abandoned stretch of the run
         logged past it is purged from TensorBoard's view (purge_step), so each step shows once,
-        with the resumed run's values."""
-        self.enabled, self.max_iters = enabled, max_iters
+        with the resumed run's values. wandb_id: the wandb run to log to (wandb_log.run_id), or None."""
+        self.enabled, self.max_iters, self.straggler_ratio = enabled, cfg.max_iters, cfg.straggler_ratio
+        self.spike_skip = cfg.spike_skip
         self.tokens_per_step, self.flops_per_token, self.peak_flops = tokens_per_step, flops_per_token, None
-        self.writer = None
+        self.writer = self.wandb = None
         if enabled:  # the other ranks neither log nor measure (a CPU's peak is measured, not looked up)
             from torch.utils.tensorboard import SummaryWriter
-            os.makedirs(tensorboard_dir, exist_ok=True)
-            self.writer = SummaryWriter(log_dir=tensorboard_dir, purge_step=resumed_at + 1 if resumed_at else None)
+            os.makedirs(cfg.tensorboard_dir, exist_ok=True)
+            self.writer = SummaryWriter(log_dir=cfg.tensorboard_dir, purge_step=resumed_at + 1 if resumed_at else None)
+            self.wandb = wandb_id and WandbRun(cfg, wandb_id)
             peak = device_peak_flops(device, dtype)
             if peak is None:
                 print(f"note: MFU unknown for GPU '{torch.cuda.get_device_name(device)}': add its dense peak FLOP/s "
@@ -125,61 +140,82 @@ class ProgressLog:
         """Begin timing from `step` (after start-up, eval and resume)."""
         self.mark_time, self.mark_step = time.perf_counter(), step
 
-    def train(self, step: int, loss: float, lr: float, grad_norm: float, memory: torch.Tensor, skipped: int,
-              data: dict[str, float]) -> None:
-        """memory: per_rank_memory(); the console shows the largest rank, TensorBoard every rank.
-        skipped: non-finite steps skipped so far; data: a mixture's data/{source}/... scalars."""
+    def _write(self, scalars: dict[str, float], step: int) -> None:
+        for tag, value in scalars.items():
+            self.writer.add_scalar(tag, value, step)
+        if self.wandb:
+            self.wandb.log(scalars, step)
+
+    def train(self, step: int, loss: float, lr: float, grad_norm: float, per_rank: torch.Tensor, skipped: int,
+              data: dict[str, float], spikes: list[tuple[int, float]], spike_count: int) -> None:
+        """per_rank: per_rank_stats() with step times; memory: the console shows the largest rank,
+        TensorBoard every rank. skipped: non-finite steps skipped so far; data: a mixture's
+        data/{source}/... scalars; spikes: (step, z) of the loss spikes since the last line, of
+        spike_count in the run."""
         if not self.enabled:
             return
         now = time.perf_counter()
         step_time = (now - self.mark_time) / max(step - self.mark_step, 1)
         self.mark_time, self.mark_step = now, step
         tokens_per_sec = self.tokens_per_step / step_time
+        memory, times = per_rank[:, :len(MEMORY_COLUMNS)], per_rank[:, len(MEMORY_COLUMNS):]
         self.run_peak = memory if self.run_peak is None else torch.maximum(self.run_peak, memory)
         largest = dict(zip(MEMORY_COLUMNS, memory.max(dim=0).values.tolist()))
         scalars = {"train/loss": loss, "train/lr": lr, "train/grad_norm": grad_norm, "perf/tokens_per_sec": tokens_per_sec,
-                   "train/skipped_steps": skipped} | data
+                   "train/skipped_steps": skipped, "train/spikes": spike_count} | data
         scalars |= {f"mem/{column}_gb": gb for column, gb in largest.items()}
         for rank, row in enumerate(memory.tolist()):
             scalars |= {f"mem/rank{rank}/{column}_gb": gb for column, gb in zip(MEMORY_COLUMNS, row)
                         if column in ("peak", "state")}
+        for column, values in zip(TIME_COLUMNS, times.t().tolist()):
+            if not math.isnan(values[0]):
+                scalars |= {f"time/{column}_ms/min": 1e3 * min(values), f"time/{column}_ms/median":
+                            1e3 * statistics.median(values), f"time/{column}_ms/max": 1e3 * max(values)}
+        slowest, ratio = slowest_rank(times)
+        scalars |= {"time/slowest_rank": slowest, "time/slowest_ratio": ratio}
         mfu = "n/a"
         if self.peak_flops:
             scalars["perf/mfu"] = tokens_per_sec * self.flops_per_token / self.peak_flops
             mfu = f"{100 * scalars['perf/mfu']:.1f}%"
-        for tag, value in scalars.items():
-            self.writer.add_scalar(tag, value, step)
+        self._write(scalars, step)
         eta = _duration(step_time * (self.max_iters - step))
         # on CPU every column but state is the process's peak RSS: one figure is enough
         reserved = f" ({largest['reserved']:.2f} reserved)" if largest["reserved"] != largest["peak"] else ""
         skips = f" | skipped {skipped}" if skipped else ""
+        late = ""
+        if ratio > self.straggler_ratio:
+            data_ms, compute_ms = (1e3 * t for t in times[slowest, :2].tolist())
+            late = (f" | slowest rank {slowest}: {ratio:.2f}x the median (data {data_ms:.0f} ms, compute "
+                    f"{compute_ms:.0f} ms a step)")
+        skip = ", update skipped" if self.spike_skip else ""
+        spiked = "".join(f" | loss spike at step {s} (z {z:.1f}{skip})" for s, z in spikes)
         print(f"step {step}/{self.max_iters} | loss {loss:.4f} | lr {lr:.2e} | {tokens_per_sec:,.0f} tok/s "
-              f"| MFU {mfu} | mem {largest['peak']:.2f} GB{reserved} | ETA {eta}{skips}", flush=True)
+              f"| MFU {mfu} | mem {largest['peak']:.2f} GB{reserved} | ETA {eta}{skips}{spiked}{late}", flush=True)
 
     def val(self, step: int, loss: float, sample: str, per_source: dict[str, float], mc: dict[str, dict]) -> None:
         """per_source: a mixture's val loss of each source (val/loss/{source}); mc: each multiple-choice
         set's {acc, acc_norm} (eval/{name}/...)."""
-        if self.enabled:
-            self.writer.add_scalar("val/loss", loss, step)
-            self.writer.add_scalar("val/perplexity", math.exp(loss), step)
-            for name, value in per_source.items():
-                self.writer.add_scalar(f"val/loss/{name}", value, step)
-            for name, scores in mc.items():
-                for metric, value in scores.items():
-                    self.writer.add_scalar(f"eval/{name}/{metric}", value, step)
-            # indented: TensorBoard renders text as markdown, this keeps it verbatim
-            if sample:
-                self.writer.add_text("val/sample", "\n".join("    " + line for line in sample.splitlines()), step)
-            each = "".join(f" | {name} {value:.4f}" for name, value in per_source.items())
-            each += "".join(f" | {name} acc {s['acc']:.4f} acc_norm {s['acc_norm']:.4f}" for name, s in mc.items())
-            print(f"step {step}/{self.max_iters} | val loss {loss:.4f} | perplexity {math.exp(loss):.2f}{each}", flush=True)
+        if not self.enabled:
+            return
+        scalars = {"val/loss": loss, "val/perplexity": math.exp(loss)}
+        scalars |= {f"val/loss/{name}": value for name, value in per_source.items()}
+        scalars |= {f"eval/{name}/{metric}": value for name, scores in mc.items() for metric, value in scores.items()}
+        self._write(scalars, step)
+        # indented: TensorBoard renders text as markdown, this keeps it verbatim
+        if sample:
+            self.writer.add_text("val/sample", "\n".join("    " + line for line in sample.splitlines()), step)
+        each = "".join(f" | {name} {value:.4f}" for name, value in per_source.items())
+        each += "".join(f" | {name} acc {s['acc']:.4f} acc_norm {s['acc_norm']:.4f}" for name, s in mc.items())
+        print(f"step {step}/{self.max_iters} | val loss {loss:.4f} | perplexity {math.exp(loss):.2f}{each}", flush=True)
 
-    def close(self, memory: torch.Tensor) -> None:
-        """memory: per_rank_memory() after the last step, eval and checkpoint."""
+    def close(self, per_rank: torch.Tensor) -> None:
+        """per_rank: per_rank_stats() after the last step, eval and checkpoint."""
         if not self.enabled:
             return
         self.writer.close()
-        memory = memory if self.run_peak is None else torch.maximum(self.run_peak, memory)
+        if self.wandb:
+            self.wandb.close()
+        memory = per_rank if self.run_peak is None else torch.maximum(self.run_peak, per_rank)
         columns = {name: " ".join(f"{gb:.3f}" for gb in column) for name, column in zip(MEMORY_COLUMNS, memory.t().tolist())}
         extra = "".join(f" | {name} {columns[name]}" for name in ("reserved", "host") if columns[name] != columns["peak"])
         print(f"memory per rank, GB: peak {columns['peak']} | parameters + optimizer state "

@@ -25,15 +25,19 @@ from mc_eval import accuracies, load_sets, mc_sums, truncated
 from hf_format import define_model, read_hf_folder
 from loader import BatchLoader
 from launch import STRATEGY_TABLE, Topology, agree, init_distributed, run_entry_point
-from metrics import ProgressLog, per_rank_memory
+from metrics import ProgressLog, per_rank_stats
 from mixture import resumed_segment
 from model import GPT, GPTConfig
 from muon import MuonWithAdamW, is_muon_matrix
 from precision import DTYPES, autocast, check_offload, compute_dtype
+from profiling import Profiling
 from schedule import lr_at
+from spikes import SpikeDetector, check_skip
+from step_times import StepTimes
 from stop import StopRequest
 from watchdog import Watchdog, process_group_timeout
 from sample import complete
+from wandb_log import run_id
 
 def initial_state(cfg, gpt_cfg: GPTConfig) -> dict:
     """The full starting weights: a Hugging Face folder's (init_from), or the seed's."""
@@ -223,6 +227,11 @@ def data_state(loader: BatchLoader, step: int) -> dict:
     return {"mixture": loader.mixture.state(step)}
 
 
+def run_state(loader: BatchLoader, step: int, spikes: SpikeDetector, wandb_id: str | None) -> dict:
+    """The loop's state a checkpoint keeps beside the weights (fsdp_ckpt.py: train_state)."""
+    return {"data": data_state(loader, step), "spikes": spikes.state(), "wandb_run_id": wandb_id}
+
+
 def train(cfg) -> None:
     stop = StopRequest()  # first: a preemption or Ctrl-C during start-up still ends with a checkpoint
     topo = init_distributed(cfg)
@@ -235,6 +244,7 @@ def train(cfg) -> None:
     accum_steps = cfg.train_batch // (cfg.micro_batch * world)
     dtype = compute_dtype(cfg.dtype, device)
     check_offload(dtype, cfg.cpu_offload)
+    check_skip(cfg, dtype)
     # each rank reads the data itself (node-local disks): a failure on one stops every rank
     sources = agree(lambda: prepare_sources(cfg.data_mix, cfg.data_path, cfg.data_source, cfg.tokenizer))
     watchdog = Watchdog(topo, cfg.checkpoint_dir)  # data preparation, which may take hours, is not bounded
@@ -269,8 +279,12 @@ def train(cfg) -> None:
     step = ckpt.resume(cfg.resume_from, model, optimizer)
     loader = open_loader(cfg, sources, topo, ckpt.train_state, step)
     tokens_per_step = cfg.train_batch * cfg.block_size
-    log = ProgressLog(topo.is_main, cfg.tensorboard_dir, cfg.max_iters, tokens_per_step, gpt.flops_per_token(),
-                      device, dtype, world, resumed_at=step)
+    wandb_id = run_id(cfg, ckpt.train_state)
+    log = agree(lambda: ProgressLog(topo.is_main, cfg, tokens_per_step, gpt.flops_per_token(), device, dtype, world,
+                                    resumed_at=step, wandb_id=wandb_id))
+    spikes = SpikeDetector(device, cfg.spike_zscore, cfg.spike_window)
+    spikes.load(ckpt.train_state.get("spikes"))
+    times, profiling = StepTimes(device), Profiling(cfg, rank, device)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     guard = NonFiniteGuard(device, cfg.max_skipped_steps)
     compute = forward_context(cfg, topo)
@@ -280,53 +294,62 @@ def train(cfg) -> None:
     log.start(step)
     first_step = step + 1
     stop.listen(process_group_timeout(cfg))
-    while step < cfg.max_iters:
-        step += 1
-        # the first step compiles and warms up: start-up's bound; every later one: collective_timeout
-        watchdog.arm(f"step {step}", *((cfg.init_timeout, "init_timeout") if step == first_step
-                                        else (cfg.collective_timeout, "collective_timeout")))
-        lr = lr_at(cfg, step)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        torch.manual_seed(cfg.seed + 1_000_003 * step + rank)  # dropout masks: a function of (step, rank)
-        loss_sum = torch.zeros((), device=device)
-        for micro_step, (x, y) in enumerate(loader.micro_batches(step)):
-            set_gradient_sync(model, micro_step == accum_steps - 1)
-            with compute():
-                _, loss = model(x, y)
-            scaler.scale(loss / accum_steps).backward()
-            loss_sum += loss.detach()
-        scaler.unscale_(optimizer)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
-        guard.check(step, grad_norm, optimizer, scaler)  # a non-finite step: every rank skips the update
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-        last = step == cfg.max_iters
-        if step % cfg.log_interval == 0 or last:
-            dist.all_reduce(loss_sum)  # every rank's share: the loss of the whole global batch
-            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-            log.train(step, loss_sum.item() / (accum_steps * world), lr, grad_norm.item(),
-                      per_rank_memory(model, optimizer, device), guard.skipped_steps(), loader.read(step))
-            guard.stop_if_too_many(loader.position(step), ckpt.last_saved)
-        if request := stop.agreed():
-            # the checkpoint first, no eval or text sample: the grace period before SIGKILL is short
-            watchdog.arm(f"the save of step {step}", cfg.init_timeout, "init_timeout")
-            ckpt.save(step, model, optimizer, data_state(loader, step))
-            if topo.is_main:
-                print(f"{request}: stopped after step {step} with its checkpoint saved", flush=True)
-            break
-        if step % cfg.eval_interval == 0 or last:
-            watchdog.arm(f"the eval at step {step}", cfg.init_timeout, "init_timeout")
-            log.val(step, *evaluate(model, gpt, loader, cfg, tokenizer, mc_sets, compute))
-            log.start(step)  # tokens/s and ETA count training time only
-        if step % cfg.save_interval == 0 or last:
-            watchdog.arm(f"the save of step {step}", cfg.init_timeout, "init_timeout")
-            ckpt.save(step, model, optimizer, data_state(loader, step))
-            log.start(step)
+    with profiling.out_of_memory_snapshot():
+        while step < cfg.max_iters:
+            step += 1
+            # the first step compiles and warms up: start-up's bound; every later one: collective_timeout
+            watchdog.arm(f"step {step}", *((cfg.init_timeout, "init_timeout") if step == first_step
+                                            else (cfg.collective_timeout, "collective_timeout")))
+            profiling.begin(step)
+            times.begin()
+            lr = lr_at(cfg, step)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            torch.manual_seed(cfg.seed + 1_000_003 * step + rank)  # dropout masks: a function of (step, rank)
+            loss_sum = torch.zeros((), device=device)
+            for micro_step, (x, y) in enumerate(times.batches(loader.micro_batches(step))):
+                set_gradient_sync(model, micro_step == accum_steps - 1)
+                with compute():
+                    _, loss = model(x, y)
+                scaler.scale(loss / accum_steps).backward()
+                loss_sum += loss.detach()
+            dist.all_reduce(loss_sum)  # every rank's share: every rank judges the global batch's loss alike
+            loss = loss_sum / (accum_steps * world)
+            spike = spikes.check(step, loss)
+            scaler.unscale_(optimizer)
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
+            # a non-finite step (and with spike_skip, a spike): every rank skips the update
+            guard.check(step, grad_norm, optimizer, scaler, spike if cfg.spike_skip else None)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            times.end()
+            profiling.end(step)
+            last = step == cfg.max_iters
+            if step % cfg.log_interval == 0 or last:
+                grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+                log.train(step, loss.item(), lr, grad_norm.item(), per_rank_stats(model, optimizer, device, times.row()),
+                          guard.skipped_steps(), loader.read(step), spikes.since_last_log(), spikes.total())
+                guard.stop_if_too_many(loader.position(step), ckpt.last_saved)
+            if request := stop.agreed():
+                # the checkpoint first, no eval or text sample: the grace period before SIGKILL is short
+                watchdog.arm(f"the save of step {step}", cfg.init_timeout, "init_timeout")
+                ckpt.save(step, model, optimizer, run_state(loader, step, spikes, wandb_id))
+                if topo.is_main:
+                    print(f"{request}: stopped after step {step} with its checkpoint saved", flush=True)
+                break
+            if step % cfg.eval_interval == 0 or last:
+                watchdog.arm(f"the eval at step {step}", cfg.init_timeout, "init_timeout")
+                log.val(step, *evaluate(model, gpt, loader, cfg, tokenizer, mc_sets, compute))
+                log.start(step)  # tokens/s and ETA count training time only
+            if step % cfg.save_interval == 0 or last:
+                watchdog.arm(f"the save of step {step}", cfg.init_timeout, "init_timeout")
+                ckpt.save(step, model, optimizer, run_state(loader, step, spikes, wandb_id))
+                log.start(step)
+    profiling.close()
     watchdog.arm("the last save", cfg.init_timeout, "init_timeout")
     ckpt.close()
-    log.close(per_rank_memory(model, optimizer, device))
+    log.close(per_rank_stats(model, optimizer, device))
     code = stop.close()
     watchdog.close()
     if topo.is_main:

@@ -1,0 +1,68 @@
+"""Loss spikes: a step whose loss is more than `spike_zscore` standard deviations above the mean of
+the previous `spike_window` steps' losses (llm.c's and OLMo's test), named at the next log line and
+counted in TensorBoard (train/spikes); with `spike_skip`, its update is skipped on every rank.
+
+The loss tested is the global batch's (reduced across ranks every step), so every rank decides
+alike with no collective of its own, and everything stays on the device: the window, the test, the
+count, and the skip, handed to the optimizers as the non-finite guard hands its own (found_inf).
+The host reads the step's flags at log steps only, where it waits for the loss anyway. The window
+keeps every finite loss, spikes too: a lasting shift in the loss (new data) stops counting as a
+spike once the window has seen it, instead of skipping every step after it.
+"""
+import torch
+
+from config import UserError
+
+
+def check_skip(cfg, dtype: torch.dtype) -> None:
+    """spike_skip hands the skip to the optimizers through found_inf, which fp16's GradScaler sets itself."""
+    if cfg.spike_skip and dtype == torch.float16:
+        raise UserError("spike_skip: true with dtype fp16 (also what dtype: auto picks on GPUs without bf16) is not "
+                        "supported: fp16's loss scaling decides the skips itself; use bf16 or fp32, or spike_skip: false")
+
+
+class SpikeDetector:
+    def __init__(self, device: torch.device, zscore: float, window: int):
+        self.zscore, self.window = zscore, window
+        self.losses = torch.full((window,), float("nan"), device=device)  # NaN: not seen yet, or not finite
+        self.seen = 0  # steps seen: the next loss goes into slot seen % window
+        self.count = torch.zeros((), device=device)  # spikes in the run so far
+        self.recent = []  # (step, spike, z) of the steps since the last log line
+
+    def check(self, step: int, loss: torch.Tensor) -> torch.Tensor:
+        """Whether step `step`'s global loss is a spike, as a 0-dim float tensor (1: a spike)."""
+        finite = torch.isfinite(self.losses)
+        n = finite.sum()
+        mean = torch.where(finite, self.losses, 0.0).sum() / n
+        std = (torch.where(finite, self.losses - mean, 0.0).square().sum() / (n - 1)).sqrt()
+        z = (loss - mean) / std
+        # half a window of history before judging; a NaN z (no spread yet, or a non-finite loss,
+        # which the non-finite guard handles) is no spike
+        spike = ((z > self.zscore) & (n >= max(self.window // 2, 2))).float()
+        self.count += spike
+        self.losses[self.seen % self.window] = torch.where(torch.isfinite(loss), loss, float("nan"))
+        self.seen += 1
+        self.recent.append((step, spike, z))
+        return spike
+
+    def since_last_log(self) -> list[tuple[int, float]]:
+        """(step, z) of each spike since the last call: a host sync, for log steps."""
+        if not self.recent:
+            return []
+        steps = [step for step, _, _ in self.recent]
+        flags_and_zs = torch.stack([torch.stack([spike, z]) for _, spike, z in self.recent]).tolist()
+        self.recent = []
+        return [(step, z) for step, (flag, z) in zip(steps, flags_and_zs) if flag]
+
+    def total(self) -> int:
+        return int(self.count.item())
+
+    def state(self) -> dict:
+        """What a checkpoint keeps, so a resumed run judges its first steps as the uninterrupted run did."""
+        return {"losses": self.losses.tolist(), "seen": self.seen, "count": self.total()}
+
+    def load(self, state: dict | None) -> None:
+        if state and len(state["losses"]) == self.window:  # another window size starts afresh
+            self.losses.copy_(torch.tensor(state["losses"]))
+            self.seen = state["seen"]
+            self.count.fill_(state["count"])

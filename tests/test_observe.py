@@ -1,0 +1,135 @@
+"""Seeing inside a run: every rank's time (a late rank named), profiler traces per rank, loss spikes
+(named, counted, skipped on request), and wandb beside TensorBoard."""
+import json
+import os
+import struct
+
+import pytest
+import torch
+
+from conftest import ROOT, run_trainer, scalars
+from spikes import SpikeDetector
+
+PROBE = os.path.join(ROOT, "tests", "observe_probe.py")
+
+
+def run_in(folder, **settings):
+    os.makedirs(folder)
+    return run_trainer(str(folder), **settings)
+
+
+def lines(result, prefix: str) -> list[str]:
+    return [line for line in result.stdout.splitlines() if line.startswith(prefix)]
+
+
+@pytest.mark.slow
+def test_a_late_rank_is_named_and_traces_are_written_per_rank(corpus, tmp_path):
+    # rank 1 waits 0.3 s for each batch (a slow disk); the collectives make both ranks' wall time equal
+    late = run_in(tmp_path / "late", nproc=2, script=PROBE, env={"LATE_RANK": "1", "LATE_SECONDS": "0.3"},
+                       max_iters=6, log_interval=3, micro_batch=4, profile_steps="[2,3]", **corpus)
+    for line in lines(late, "step 3/6 | loss") + lines(late, "step 6/6 | loss"):
+        assert "| slowest rank 1: " in line, line
+    assert all(value == 1 for value in scalars(str(tmp_path / "late" / "tb"), "time/slowest_rank").values())
+    data_max = scalars(str(tmp_path / "late" / "tb"), "time/data_ms/max")
+    assert all(ms >= 300 for ms in data_max.values()), data_max
+    for rank in (0, 1):  # one trace per rank, of steps 2 to 3, in the run's TensorBoard folder
+        with open(tmp_path / "late" / "tb" / "profile" / f"rank{rank}.2.pt.trace.json") as f:
+            events = json.load(f)["traceEvents"]
+        assert any(event.get("name") == "aten::mm" for event in events)
+
+    on_time = run_in(tmp_path / "on_time", nproc=2, script=PROBE, env={"LATE_RANK": "1", "LATE_SECONDS": "0"},
+                          max_iters=6, log_interval=3, micro_batch=4, **corpus)
+    assert len(lines(on_time, "step 6/6 | loss")) == 1 and not any("slowest rank" in line for line in on_time.stdout.splitlines())
+    ratios = scalars(str(tmp_path / "on_time" / "tb"), "time/slowest_ratio")
+    assert ratios and all(1 <= r < 1.2 for r in ratios.values()), ratios
+    assert not os.path.exists(tmp_path / "on_time" / "tb" / "profile")  # no profile_steps: no trace
+
+
+def model_and_moments(path) -> dict:
+    saved = torch.load(path, weights_only=True)
+    return saved["model"] | {f"{name}/{key}": v for name, s in saved["optimizer"]["state"].items() for key, v in s.items()}
+
+
+# a batch of random tokens at step 20 on every rank: a finite spike (the model has learnt bytes of
+# Python by then); a window of 10 judges from step 6 on
+SPIKE = dict(script=PROBE, env={"SPIKE_STEP": "20"}, max_iters=20, lr_decay_iters=20, spike_window=10, save_interval=19)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc, skip", [(1, False), (2, True)])
+def test_a_loss_spike_is_named_counted_and_skipped_on_request(nproc, skip, corpus, tmp_path):
+    result = run_trainer(str(tmp_path), nproc=nproc, spike_skip=skip, **SPIKE, **corpus)
+    named = [line for line in lines(result, "step ") if "loss spike" in line]
+    assert len(named) == 1 and named[0].startswith("step 20/20 | loss"), named
+    assert ("update skipped)" in named[0]) == skip
+    assert scalars(str(tmp_path / "tb"), "train/spikes") == {s: int(s >= 20) for s in range(1, 21)}
+    before, at = (model_and_moments(tmp_path / "ckpt" / f"fsdp_cpt{s}.pth") for s in (19, 20))
+    assert any(key.endswith("/step") for key in at)  # AdamW's step counts are compared too
+    unchanged = [key for key in before if torch.equal(before[key], at[key])]
+    assert (unchanged == list(before)) == skip  # skipped: no parameter, moment or step count moved
+
+
+def test_the_spike_window_resumes_as_it_was():
+    window = SpikeDetector(torch.device("cpu"), zscore=6.0, window=8)
+    for step in range(1, 12):
+        window.check(step, torch.tensor(3.0 - 0.01 * step))
+    resumed = SpikeDetector(torch.device("cpu"), zscore=6.0, window=8)
+    resumed.load(window.state())
+    for detector in (window, resumed):
+        detector.check(12, torch.tensor(3.5))
+        detector.check(13, torch.tensor(float("nan")))  # the guard's; kept out of the statistics (a NaN slot)
+        detector.check(14, torch.tensor(4.5))  # still judged: the NaN did not spoil the mean
+    assert [s for s, _ in window.since_last_log()] == [12, 14] and [s for s, _ in resumed.since_last_log()] == [12, 14]
+    torch.testing.assert_close(window.losses, resumed.losses, rtol=0, atol=0, equal_nan=True)
+    assert resumed.total() == window.total() == 2
+
+
+def wandb_history(run_folder: str) -> tuple[str, dict[int, dict]]:
+    """The run id and {step: scalars} of an offline wandb run's .wandb file (LevelDB-style records of
+    wandb's protobufs: 32 KiB blocks, each record a 7-byte header, checksum, length and type)."""
+    from wandb.proto import wandb_internal_pb2
+    [name] = [n for n in os.listdir(run_folder) if n.endswith(".wandb")]
+    with open(os.path.join(run_folder, name), "rb") as f:
+        data = f.read()
+    block, pos, pieces, run, history = 32768, 7, [], None, {}
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        pieces.append(data[pos + 7:pos + 7 + length])
+        pos += 7 + length
+        if kind in (1, 4):  # a whole record, or a record's last piece
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(b"".join(pieces))
+            pieces = []
+            if record.WhichOneof("record_type") == "run":
+                run = record.run.run_id
+            if record.WhichOneof("record_type") == "history":
+                items = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+                history.setdefault(items["_step"], {}).update(items)
+    return run, history
+
+
+@pytest.mark.slow
+def test_wandb_logs_tensorboards_scalars_and_a_resumed_run_continues_it(corpus, tmp_path):
+    env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    settings = dict(wandb_project="fsdp-gpt-test", wandb_name="tiny", max_iters=4, save_interval=2, **corpus)
+    run_trainer(str(tmp_path), env=env, **settings)
+    run_trainer(str(tmp_path), env=env, **settings | dict(max_iters=6, resume_from="latest"))
+    runs = sorted(os.listdir(tmp_path / "tb" / "wandb"))
+    folders = [os.path.join(tmp_path, "tb", "wandb", name) for name in runs if name.startswith("offline-run-")]
+    (first_id, first), (second_id, second) = map(wandb_history, folders)
+    assert first_id == second_id and folders[0].endswith(first_id)  # the resumed run continues the same wandb run
+    logged = first | second
+    for tag in ("train/loss", "train/grad_norm", "val/loss", "mem/peak_gb"):
+        tensorboard = scalars(str(tmp_path / "tb"), tag)
+        assert tensorboard and {step: logged[step][tag] for step in tensorboard} == pytest.approx(tensorboard), tag
+    assert set(second) == {5, 6}
+
+
+def test_wandb_missing_is_one_line(corpus, tmp_path):
+    result = run_trainer(str(tmp_path), script=PROBE, check=False, env={"NO_WANDB": "1"}, wandb_project="p",
+                         max_iters=1, **corpus)
+    assert result.returncode == 2 and result.stderr.strip().splitlines()[-1] == (
+        "error: wandb_project is set but wandb is not installed: pip install wandb (or unset wandb_project)")
