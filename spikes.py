@@ -24,23 +24,25 @@ def check_skip(cfg, dtype: torch.dtype) -> None:
 class SpikeDetector:
     def __init__(self, device: torch.device, zscore: float, window: int):
         self.zscore, self.window = zscore, window
-        self.losses = torch.full((window,), float("nan"), device=device)  # NaN: not seen yet, or not finite
+        self.losses = torch.zeros(window, device=device)  # the last min(seen, window) losses, in a ring
         self.seen = 0  # steps seen: the next loss goes into slot seen % window
         self.count = torch.zeros((), device=device)  # spikes in the run so far
+        self.no_spike = torch.zeros((), device=device)
         self.recent = []  # (step, spike, z) of the steps since the last log line
 
     def check(self, step: int, loss: torch.Tensor) -> torch.Tensor:
         """Whether step `step`'s global loss is a spike, as a 0-dim float tensor (1: a spike)."""
-        finite = torch.isfinite(self.losses)
-        n = finite.sum()
-        mean = torch.where(finite, self.losses, 0.0).sum() / n
-        std = (torch.where(finite, self.losses - mean, 0.0).square().sum() / (n - 1)).sqrt()
-        z = (loss - mean) / std
-        # half a window of history before judging; a NaN z (no spread yet, or a non-finite loss,
-        # which the non-finite guard handles) is no spike
-        spike = ((z > self.zscore) & (n >= max(self.window // 2, 2))).float()
-        self.count += spike
-        self.losses[self.seen % self.window] = torch.where(torch.isfinite(loss), loss, float("nan"))
+        n, spike, z = min(self.seen, self.window), self.no_spike, self.no_spike
+        if n >= max(self.window // 2, 2):  # half a window of history before judging
+            std, mean = torch.std_mean(self.losses[:n])
+            z = (loss - mean) / std
+            spike = (z > self.zscore).float()  # a NaN z (a non-finite loss: the guard's) is no spike
+            self.count += spike
+        elif n:
+            mean = self.losses[:n].mean()
+        if n:  # a non-finite loss enters the window as its mean: the statistics stay finite
+            loss = torch.where(torch.isfinite(loss), loss, mean)
+        self.losses[self.seen % self.window] = loss
         self.seen += 1
         self.recent.append((step, spike, z))
         return spike

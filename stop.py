@@ -69,12 +69,15 @@ class StopRequest:
         mine = next((code for code, (name, _) in REQUESTS.items() if name == self.received), 0)
         # a host buffer the all-reduce writes into, read as numpy: never a wait on the GPU
         self.flag = np.array([mine], dtype=np.int32)
-        self.work = dist.all_reduce(torch.from_numpy(self.flag), op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        if dist.get_world_size() > 1:  # one process agrees with itself: no gloo work (and thread wake-up) a step
+            self.work = dist.all_reduce(torch.from_numpy(self.flag), op=dist.ReduceOp.MAX, group=self.group,
+                                        async_op=True)
 
     def agreed(self) -> str | None:
         """At a step boundary, on every rank: the request every rank agreed on ("SIGTERM" or
         "Ctrl-C"; None: go on), from the exchange started at the previous boundary."""
-        self.work.wait()
+        if self.work is not None:
+            self.work.wait()
         self.agreed_on = REQUESTS.get(int(self.flag[0]))
         self._exchange()
         return self.agreed_on and self.agreed_on[0]

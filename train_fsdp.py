@@ -47,6 +47,13 @@ def initial_state(cfg, gpt_cfg: GPTConfig) -> dict:
     return GPT(gpt_cfg).state_dict()
 
 
+def seed_device(seed: int, device: torch.device) -> None:
+    """Seed the generator the device's random ops (dropout) draw from. Not torch.manual_seed: where
+    CUDA (or XPU, MTIA) is not initialised, it queues a seeding for later with the caller's formatted
+    stack, three per call: 0.5 ms a step on the CPU and a queue that grew without end."""
+    (torch.cuda.manual_seed if device.type == "cuda" else torch.default_generator.manual_seed)(seed)
+
+
 def build_model(cfg, gpt_cfg: GPTConfig, topo: Topology) -> torch.nn.Module:
     with torch.device("meta"):
         model = GPT(gpt_cfg)
@@ -305,7 +312,7 @@ def train(cfg) -> None:
             lr = lr_at(cfg, step)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            torch.manual_seed(cfg.seed + 1_000_003 * step + rank)  # dropout masks: a function of (step, rank)
+            seed_device(cfg.seed + 1_000_003 * step + rank, device)  # dropout masks: a function of (step, rank)
             loss_sum = torch.zeros((), device=device)
             for micro_step, (x, y) in enumerate(times.batches(loader.micro_batches(step))):
                 set_gradient_sync(model, micro_step == accum_steps - 1)
@@ -313,7 +320,8 @@ def train(cfg) -> None:
                     _, loss = model(x, y)
                 scaler.scale(loss / accum_steps).backward()
                 loss_sum += loss.detach()
-            dist.all_reduce(loss_sum)  # every rank's share: every rank judges the global batch's loss alike
+            if world > 1:  # every rank's share: every rank judges the global batch's loss alike
+                dist.all_reduce(loss_sum)
             loss = loss_sum / (accum_steps * world)
             spike = spikes.check(step, loss)
             scaler.unscale_(optimizer)

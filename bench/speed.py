@@ -1,13 +1,14 @@
 """Training speed, measured side by side in one run: alternating runs, medians, ratios.
 
     python bench/speed.py plain [--rounds 5] [--compile]  # trainer vs a plain PyTorch loop, 1 process
+    python bench/speed.py plain --widths 8                # the same at 8 wide: the step's fixed cost
     python bench/speed.py scaling [--rounds 3]            # 2 and 4 ranks vs 1, each strategy and DDP
     python bench/speed.py loader                          # data loader tokens/s vs the trainer's
     python bench/speed.py muon [--rounds 3]               # step time with muon vs adamw, 1 and 2 ranks
 
 The model: 4 layers, 256 wide (plain: 128 and 256, or --widths), block 128, batch 16, fp32,
 byte tokens (the demo's data).
-Each run's tokens/s is the median over intervals of WARMUP steps after the first interval
+Each run's tokens/s is the median over intervals of WARMUP steps (plain: PLAIN_INTERVAL) after the first interval
 (start-up, compilation). Threads per rank: the machine's cores divided by the ranks.
 """
 import argparse
@@ -38,6 +39,10 @@ def shape(width: int = WIDTH) -> dict:
 
 
 BATCH, WARMUP, STEPS = 16, 3, 24  # timed: steps WARMUP+1 .. WARMUP+STEPS, in intervals of WARMUP
+# plain: intervals of 10 steps (the trainer's default log_interval: its log line costs what it costs in
+# a run), 6 of them timed after the first. Runs of 27 steps measured the first seconds of a process,
+# which vary by several percent from run to run on a shared machine: ratios from 0.92 to 0.98.
+PLAIN_INTERVAL, PLAIN_STEPS = 10, 60
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2", "DDP")
 
 
@@ -61,13 +66,13 @@ def run(cmd: list[str], nproc: int, workdir: str) -> str:
 
 
 def trainer_rate(nproc: int, workdir: str, strategy: str = "FULL_SHARD", compile: bool = False,
-                 width: int = WIDTH, optimizer: str = "adamw") -> float:
+                 width: int = WIDTH, optimizer: str = "adamw", interval: int = WARMUP, steps: int = STEPS) -> float:
     """Tokens/s the trainer logs (rank 0's line: the whole global batch)."""
     launch = [sys.executable] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     mode = ["--fsdp=false"] if strategy == "DDP" else [f"--sharding_strategy={strategy}", "--fsdp_size=2"]
     settings = shape(width) | dict(
-        train_batch=BATCH, micro_batch=BATCH // nproc, max_iters=WARMUP + STEPS, log_interval=WARMUP,
+        train_batch=BATCH, micro_batch=BATCH // nproc, max_iters=interval + steps, log_interval=interval,
         eval_interval=10 ** 6, eval_iters=1, save_interval=10 ** 6, dtype="fp32", compile=compile, sample_tokens=0,
         checkpoint_dir="ckpt", tensorboard_dir="tb", data_path=demo_data(), optimizer=optimizer)
     out = run(launch + [os.path.join(ROOT, "train_fsdp.py"), DEMO] + mode +
@@ -81,7 +86,7 @@ def plain_rate(workdir: str, compile: bool, width: int) -> float:
     return median_after_warmup([float(r) for r in out.split()])
 
 
-def plain_loop(compile: bool, width: int) -> None:
+def plain_loop(compile: bool, width: int, interval: int = PLAIN_INTERVAL, steps: int = PLAIN_STEPS) -> None:
     """What a user would write without this trainer: same model, batch, AdamW, clipping."""
     torch.manual_seed(0)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -92,7 +97,7 @@ def plain_loop(compile: bool, width: int) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     T = shape()["block_size"]
     mark = time.perf_counter()
-    for step in range(1, WARMUP + STEPS + 1):
+    for step in range(1, interval + steps + 1):
         starts = torch.randint(len(data) - T - 1, (BATCH,)).tolist()
         xy = torch.from_numpy(np.stack([data[s:s + T + 1] for s in starts]).astype(np.int64)).to(device)
         _, loss = model(xy[:, :-1], xy[:, 1:])
@@ -100,10 +105,10 @@ def plain_loop(compile: bool, width: int) -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if step % WARMUP == 0:
+        if step % interval == 0:
             loss.item()  # wait for the device, as the trainer's log line does
             now = time.perf_counter()
-            print(WARMUP * BATCH * T / (now - mark), flush=True)
+            print(interval * BATCH * T / (now - mark), flush=True)
             mark = now
 
 
@@ -111,13 +116,16 @@ def bench_plain(rounds: int, compile: bool, widths: list[int], workdir: str) -> 
     for width in widths:
         trainer, plain = [], []
         for _ in range(rounds):  # alternate: drifts of a shared machine hit both sides alike
-            trainer.append(trainer_rate(1, workdir, compile=compile, width=width))
+            trainer.append(trainer_rate(1, workdir, compile=compile, width=width, interval=PLAIN_INTERVAL,
+                                        steps=PLAIN_STEPS))
             plain.append(plain_rate(workdir, compile, width))
             print(f"  {width} wide: trainer {trainer[-1]:,.0f} tok/s, plain loop {plain[-1]:,.0f} tok/s", flush=True)
         t, p = max(trainer), max(plain)
+        tokens = BATCH * shape()["block_size"]  # a step's
         print(f"{width} wide, compile={compile}: best of {rounds} alternating runs: trainer {t:,.0f} tok/s, plain "
               f"loop {p:,.0f} tok/s, ratio {t / p:.3f}; medians: ratio "
-              f"{statistics.median(trainer) / statistics.median(plain):.3f}", flush=True)
+              f"{statistics.median(trainer) / statistics.median(plain):.3f}; the trainer's own cost "
+              f"{1e3 * (tokens / t - tokens / p):.2f} ms a step (best of each)", flush=True)
 
 
 def bench_scaling(rounds: int, workdir: str) -> None:
