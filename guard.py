@@ -29,7 +29,9 @@ class NonFiniteGuard:
         norm = grad_norm.to_local() if isinstance(grad_norm, DTensor) else grad_norm
         bad = (~torch.isfinite(norm)).float()
         if not scaler.is_enabled():
-            optimizer.found_inf = bad if also_skip is None else torch.maximum(bad, also_skip)
+            # also_skip is on the device; with cpu_offload the norm (so `bad`) is on the host, where
+            # the optimizer steps: a blocking copy there, not the optimizer's non_blocking one
+            optimizer.found_inf = bad if also_skip is None else torch.maximum(bad, also_skip.to(bad.device))
         self.skipped += bad
         self.streak = (self.streak + 1) * bad
         self.stopped_at = torch.where((self.streak >= self.limit) & (self.stopped_at == 0), step, self.stopped_at)

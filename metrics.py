@@ -232,6 +232,11 @@ def _event_files(tb_dir: str):
         yield acc
 
 
+def scalar_tags(tb_dir: str) -> set[str]:
+    """Every scalar tag in tb_dir's events files."""
+    return {tag for acc in _event_files(tb_dir) for tag in acc.Tags()["scalars"]}
+
+
 def read_scalars(tb_dir: str, tag: str) -> dict[int, float]:
     """{step: value} of one TensorBoard tag across every events file in tb_dir."""
     values = {}

@@ -15,6 +15,7 @@ Outside the windows a step costs two integer comparisons.
 """
 import contextlib
 import os
+from typing import Callable
 
 import torch
 
@@ -22,7 +23,10 @@ HISTORY_ENTRIES = 200_000  # allocations kept by the recorder: a few steps of a 
 
 
 class Profiling:
-    def __init__(self, cfg, rank: int, device: torch.device):
+    def __init__(self, cfg, rank: int, device: torch.device, before_write: Callable[[str], None]):
+        """before_write(what): called before a trace or snapshot is written (the watchdog gives the
+        write start-up's bound: a large model's trace takes minutes, not a step's time)."""
+        self.before_write = before_write
         self.trace_window = cfg.profile_steps
         self.memory_window = cfg.memory_snapshot_steps if device.type == "cuda" else None
         self.cuda, self.rank, self.dir = device.type == "cuda", rank, os.path.join(cfg.tensorboard_dir, "profile")
@@ -39,7 +43,8 @@ class Profiling:
             self.profiler.start()
             self.traced_from = step
         if self.memory_window and self.recording is None and self.memory_window[0] <= step <= self.memory_window[1]:
-            torch.cuda.memory._record_memory_history(max_entries=HISTORY_ENTRIES)
+            # Python stacks: C++ frames make the dump minutes long (symbolised when written)
+            torch.cuda.memory._record_memory_history(max_entries=HISTORY_ENTRIES, stacks="python")
             self.recording = step
 
     def end(self, step: int) -> None:
@@ -57,12 +62,14 @@ class Profiling:
             self._write_history()
 
     def _write_trace(self) -> None:
+        self.before_write(f"writing the profile from step {self.traced_from}")
         self.profiler.stop()
         os.makedirs(self.dir, exist_ok=True)
         self.profiler.export_chrome_trace(os.path.join(self.dir, f"rank{self.rank}.{self.traced_from}.pt.trace.json"))
         self.profiler = None
 
     def _write_history(self) -> None:
+        self.before_write(f"writing the memory snapshot from step {self.recording}")
         self._dump(f"memory_rank{self.rank}.{self.recording}.pickle")
         torch.cuda.memory._record_memory_history(enabled=None)
         self.recording = None

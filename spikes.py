@@ -32,16 +32,20 @@ class SpikeDetector:
 
     def check(self, step: int, loss: torch.Tensor) -> torch.Tensor:
         """Whether step `step`'s global loss is a spike, as a 0-dim float tensor (1: a spike)."""
+        if not self.zscore:  # off
+            return self.no_spike
         n, spike, z = min(self.seen, self.window), self.no_spike, self.no_spike
         if n >= max(self.window // 2, 2):  # half a window of history before judging
-            std, mean = torch.std_mean(self.losses[:n])
+            # the statistics of the finite losses: a non-finite one (a step the guard skipped) is a hole
+            history = self.losses[:n]
+            finite = torch.isfinite(history)
+            count = finite.sum()
+            mean = torch.where(finite, history, 0.0).sum() / count
+            std = (torch.where(finite, history - mean, 0.0).square().sum() / (count - 1)).sqrt()
             z = (loss - mean) / std
-            spike = (z > self.zscore).float()  # a NaN z (a non-finite loss: the guard's) is no spike
+            # a NaN z (too few finite losses) is no spike, nor is a non-finite loss: the guard's
+            spike = ((z > self.zscore) & torch.isfinite(loss)).float()
             self.count += spike
-        elif n:
-            mean = self.losses[:n].mean()
-        if n:  # a non-finite loss enters the window as its mean: the statistics stay finite
-            loss = torch.where(torch.isfinite(loss), loss, mean)
         self.losses[self.seen % self.window] = loss
         self.seen += 1
         self.recent.append((step, spike, z))

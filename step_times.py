@@ -60,7 +60,7 @@ class StepTimes:
     def row(self) -> list[float]:
         """This rank's mean seconds per step of each of COLUMNS since the last row (NaN: not told
         apart); called at log steps only."""
-        if self.cuda:
+        if self.cuda and self.events:
             self.events[-1][1].synchronize()
             self.sums["compute"] = sum(start.elapsed_time(end) for start, end in self.events) / 1e3
             self.sums["wait"] = float("nan")

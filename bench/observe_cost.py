@@ -62,7 +62,7 @@ def pieces(steps: int) -> None:
     device = torch.device("cpu")
     spikes, times = SpikeDetector(device, 6.0, 100), StepTimes(device)
     profiling = Profiling(SimpleNamespace(profile_steps=[10 ** 9, 10 ** 9], memory_snapshot_steps=None,
-                                          tensorboard_dir="tb_oc"), dist.get_rank(), device)
+                                          tensorboard_dir="tb_oc"), dist.get_rank(), device, print)
     batch = [(torch.zeros(1), torch.zeros(1))]
 
     def spike_test(step):

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import ROOT, run_trainer, scalars
+from metrics import scalar_tags
 from spikes import SpikeDetector
 
 PROBE = os.path.join(ROOT, "tests", "observe_probe.py")
@@ -71,17 +72,21 @@ def test_a_loss_spike_is_named_counted_and_skipped_on_request(nproc, skip, corpu
 
 def test_the_spike_window_resumes_as_it_was():
     window = SpikeDetector(torch.device("cpu"), zscore=6.0, window=8)
-    for step in range(1, 12):
+    window.check(1, torch.tensor(float("nan")))  # a non-finite first step (the guard's) leaves a hole
+    for step in range(2, 12):
         window.check(step, torch.tensor(3.0 - 0.01 * step))
     resumed = SpikeDetector(torch.device("cpu"), zscore=6.0, window=8)
     resumed.load(window.state())
     for detector in (window, resumed):
         detector.check(12, torch.tensor(3.5))
-        detector.check(13, torch.tensor(float("nan")))  # the guard's: enters the window as its mean
-        detector.check(14, torch.tensor(4.5))  # still judged: the NaN did not spoil the mean
+        detector.check(13, torch.tensor(float("inf")))  # the guard's: not a spike
+        detector.check(14, torch.tensor(4.5))  # still judged: the holes did not spoil the statistics
     assert [s for s, _ in window.since_last_log()] == [12, 14] and [s for s, _ in resumed.since_last_log()] == [12, 14]
-    assert torch.equal(window.losses, resumed.losses) and torch.isfinite(window.losses).all()
+    torch.testing.assert_close(window.losses, resumed.losses, rtol=0, atol=0, equal_nan=True)
     assert resumed.total() == window.total() == 2
+    off = SpikeDetector(torch.device("cpu"), zscore=0.0, window=8)  # spike_zscore: 0 turns detection off
+    assert not any(off.check(step, torch.tensor(float(step % 2))).item() for step in range(1, 30))
+    assert off.since_last_log() == [] and off.total() == 0
 
 
 def wandb_history(run_folder: str) -> tuple[str, dict[int, dict]]:
@@ -115,16 +120,19 @@ def wandb_history(run_folder: str) -> tuple[str, dict[int, dict]]:
 def test_wandb_logs_tensorboards_scalars_and_a_resumed_run_continues_it(corpus, tmp_path):
     env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
     settings = dict(wandb_project="fsdp-gpt-test", wandb_name="tiny", max_iters=4, save_interval=2, **corpus)
-    run_trainer(str(tmp_path), env=env, **settings)
+    run_trainer(str(tmp_path), nproc=2, env=env, **settings)
     run_trainer(str(tmp_path), env=env, **settings | dict(max_iters=6, resume_from="latest"))
     runs = sorted(os.listdir(tmp_path / "tb" / "wandb"))
     folders = [os.path.join(tmp_path, "tb", "wandb", name) for name in runs if name.startswith("offline-run-")]
+    assert len(folders) == 2  # one wandb run per launch: rank 0's (the first launch had 2 ranks)
     (first_id, first), (second_id, second) = map(wandb_history, folders)
     assert first_id == second_id and folders[0].endswith(first_id)  # the resumed run continues the same wandb run
     logged = first | second
-    for tag in ("train/loss", "train/grad_norm", "val/loss", "mem/peak_gb"):
+    tags = scalar_tags(str(tmp_path / "tb"))
+    assert {"train/loss", "val/loss", "mem/rank1/peak_gb", "time/compute_ms/max", "train/spikes"} <= tags
+    for tag in tags:  # every TensorBoard scalar, at every step it was written
         tensorboard = scalars(str(tmp_path / "tb"), tag)
-        assert tensorboard and {step: logged[step][tag] for step in tensorboard} == pytest.approx(tensorboard), tag
+        assert {step: logged[step][tag] for step in tensorboard} == pytest.approx(tensorboard), tag
     assert set(second) == {5, 6}
 
 
