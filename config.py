@@ -135,6 +135,8 @@ class TrainConfig:
     cpu_offload: bool = key(False, "FSDP: parameters, gradients and optimizer state in host memory")
     activation_checkpointing: bool = key(False, "recompute each DecoderBlock's activations in backward")
     compile: bool = key(False, "torch.compile each DecoderBlock")
+    cp_size: int = key(1, "context parallelism: ranks that split each row's block_size tokens (Ulysses: dividing "
+                          "the world size, n_head, n_kv_head and block_size)")
     world_size: int | None = key(None, "the launch size the config was written for: another is reported, not "
                                        "refused; null: any")
     checkpoint_dir: str = key("checkpoints", "where checkpoints go")
@@ -310,6 +312,7 @@ def validate(cfg: TrainConfig) -> None:
             f"checkpoint_type '{cfg.checkpoint_type}' must be 'full' or 'sharded'")
     require(0.0 <= cfg.dropout < 1.0, f"dropout must be in [0, 1), got {cfg.dropout}")
     require(cfg.fsdp_size is None or cfg.fsdp_size > 0, f"fsdp_size must be positive, got {cfg.fsdp_size}")
+    check_context_parallel(cfg)
     require(cfg.fsdp or not cfg.cpu_offload,
             "cpu_offload: true needs fsdp: true (DDP keeps every parameter and optimizer state on the GPU)")
     require(cfg.fsdp or not cfg.force_fsdp, "force_fsdp: true needs fsdp: true (it wraps one process in FSDP2)")
@@ -340,6 +343,18 @@ def validate(cfg: TrainConfig) -> None:
                 f"{name} must be [first, last] steps, 1 <= first <= last, got {window!r}")
     require(cfg.max_skipped_steps >= 1, f"max_skipped_steps must be 1 or more, got {cfg.max_skipped_steps}")
     validate_mixture(cfg)
+
+
+def check_context_parallel(cfg: TrainConfig) -> None:
+    """cp_size against the model (the world size is checked at launch): Ulysses splits every row's
+    tokens and, for attention, the heads over the cp_size ranks."""
+    cp = cfg.cp_size
+    if cp < 1:
+        raise UserError(f"cp_size must be 1 or more, got {cp}")
+    for name, value in (("n_head", cfg.n_head), ("n_kv_head", cfg.n_kv_head or cfg.n_head), ("block_size", cfg.block_size)):
+        if value % cp:
+            raise UserError(f"cp_size={cp} must divide {name}={value}: context parallelism splits each row's tokens "
+                            f"and attention's heads over cp_size ranks")
 
 
 LLAMA3_SCALING = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")

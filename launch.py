@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from config import UserError, exit_code
+from context_parallel import context_groups
 from precision import pick_device
 from watchdog import FIRED, nccl_failure_settings, process_group_timeout
 
@@ -41,7 +42,8 @@ STRATEGY_TABLE = {
 
 @dataclass
 class Topology:
-    """Who this process is, computed once and passed down. Every rank is data-parallel."""
+    """Who this process is, computed once and passed down. Every rank is data-parallel, but for the
+    cp_size ranks of a context-parallel group, which share rows (context_parallel.py)."""
     rank: int
     world_size: int
     local_rank: int
@@ -50,10 +52,26 @@ class Topology:
     wrap: str  # "fsdp", "ddp" or "none": see wrapping()
     mesh: DeviceMesh | None  # None unless wrap == "fsdp"
     store: dist.Store | None = None  # the group's store (the watchdog's channel)
+    cp_size: int = 1
+    cp_group: dist.ProcessGroup | None = None  # this rank's context-parallel group (cp_size > 1)
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def dp_rank(self) -> int:
+        """Which share of each step's rows this rank computes (with its context-parallel group)."""
+        return self.rank // self.cp_size
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // self.cp_size
+
+    @property
+    def cp_rank(self) -> int:
+        """Which slice of its rows' tokens this rank computes."""
+        return self.rank % self.cp_size
 
     def describe_mesh(self) -> str:
         """"(replicate=2, shard=4)", or "none" (DDP, one process)."""
@@ -113,8 +131,12 @@ def init_distributed(cfg) -> Topology:
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout,
                             device_id=bound_device(device, backend))
     wrap = wrapping(cfg, world)
+    if world % cfg.cp_size:
+        raise UserError(f"cp_size={cfg.cp_size} must divide the world size {world}: launch a multiple of {cfg.cp_size} "
+                        f"ranks")
+    cp_group = context_groups(world, cfg.cp_size) if cfg.cp_size > 1 else None
     return Topology(rank, world, local_rank, local_world, device, wrap,
-                    build_mesh(cfg, world, local_world, device, wrap), store)
+                    build_mesh(cfg, world, local_world, device, wrap), store, cfg.cp_size, cp_group)
 
 
 def build_mesh(cfg, world: int, local_world: int, device: torch.device, wrap: str) -> DeviceMesh | None:

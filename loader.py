@@ -90,13 +90,16 @@ class BatchLoader:
     nor does the same token sequence split into other files (llm.c shards).
 
     sources: {name: (folder, its metadata)}; one (data_path) or several (data_mix, with a segment).
+    Context parallelism (cp_size ranks per row): rank cp_rank of a row's group reads only its slice of
+    each row, tokens `start` .. `start` + block_size/cp_size - 1 (and the next one, its last target).
     """
 
     def __init__(self, sources: dict[str, tuple[str, dict]], block_size: int, train_batch: int, micro_batch: int,
                  dp_rank: int, dp_size: int, seed: int, device: torch.device, segment: Segment | None = None,
-                 align_rows: bool = False):
+                 align_rows: bool = False, cp_rank: int = 0, cp_size: int = 1):
         self.block_size, self.train_batch, self.micro_batch = block_size, train_batch, micro_batch
         self.dp_rank, self.dp_size, self.seed, self.device = dp_rank, dp_size, seed, device
+        self.cp_size, self.start = cp_size, cp_rank * (block_size // cp_size)
         self.names = list(sources)
         self.splits = {split: [open_split(path, meta, split) for path, meta in sources.values()]
                        for split in ("train", "val")}
@@ -121,8 +124,8 @@ class BatchLoader:
         self._ahead = None  # ((step, micro_step), copy in flight)
 
     def _host_rows(self, split: str, chunk: tuple[np.ndarray, np.ndarray]) -> torch.Tensor:
-        streams, T = self.splits[split], self.block_size
-        rows = [streams[int(k)].window(int(s), T + 1) for k, s in zip(*chunk)]
+        streams, T = self.splits[split], self.block_size // self.cp_size
+        rows = [streams[int(k)].window(int(s) + self.start, T + 1) for k, s in zip(*chunk)]
         return torch.from_numpy(np.stack(rows).astype(np.int64))
 
     def _rows(self, split: str, chunk: tuple[np.ndarray, np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:

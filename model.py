@@ -69,14 +69,14 @@ def llama3_scaled(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(between, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
 
 
-def rotary(cfg: GPTConfig, T: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin (T, head_dim) of RoPE: pair i of a head turns at theta^(-2i/head_dim) per position
-    (Llama 3.1's scaling applied when rope_scaling is set). Computed in fp32 per forward (cheap):
-    no buffer to move off the meta device."""
+def rotary(cfg: GPTConfig, T: int, device: torch.device, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin (T, head_dim) of RoPE at positions start .. start+T-1: pair i of a head turns at
+    theta^(-2i/head_dim) per position (Llama 3.1's scaling applied when rope_scaling is set).
+    Computed in fp32 per forward (cheap): no buffer to move off the meta device."""
     inv_freq = cfg.rope_theta ** (-torch.arange(0, cfg.head_dim, 2, device=device, dtype=torch.float32) / cfg.head_dim)
     if cfg.rope_scaling:
         inv_freq = llama3_scaled(inv_freq, cfg.rope_scaling)
-    angles = torch.outer(torch.arange(T, device=device, dtype=torch.float32), inv_freq)
+    angles = torch.outer(torch.arange(start, start + T, device=device, dtype=torch.float32), inv_freq)
     angles = torch.cat((angles, angles), dim=-1)  # rotate_half pairs dimension i with i + head_dim/2
     return angles.cos(), angles.sin()
 
@@ -100,9 +100,18 @@ def sdpa_takes_gqa(q: torch.Tensor) -> bool:
             and head_dim % 8 == 0 and head_dim <= 256)
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
+                     enable_gqa: bool) -> torch.Tensor:
+    """Attention's core: q (B, heads, T, head_dim), k and v (B, kv heads, T, head_dim) -> like q.
+    SDPA picks flash / memory-efficient kernels on GPU, a fused flash kernel on CPU."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, enable_gqa=enable_gqa)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig, layer: int):
         super().__init__()
+        # replaceable from outside (context parallelism runs the core over a whole row split across ranks)
+        self.core = causal_attention
         self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, cfg.head_dim
         # q, k, v in one matmul: n_head query heads, n_kv_head key and value heads
         self.c_attn = nn.Linear(cfg.n_embd, (cfg.n_head + 2 * cfg.n_kv_head) * cfg.head_dim, bias=cfg.bias)
@@ -132,9 +141,7 @@ class CausalSelfAttention(nn.Module):
         if grouped and not sdpa_takes_gqa(q):  # a key/value head per query head: memory-efficient kernels run
             k, v = (t.repeat_interleave(self.n_head // self.n_kv_head, dim=1) for t in (k, v))
             grouped = False
-        # SDPA picks flash / memory-efficient kernels on GPU, a fused flash kernel on CPU
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
-                                           enable_gqa=grouped)
+        y = self.core(q, k, v, self.dropout if self.training else 0.0, grouped)
         y = y.transpose(1, 2).contiguous().view(B, T, self.n_head * self.head_dim)
         return self.resid_dropout(self.c_proj(y))
 
@@ -219,16 +226,17 @@ class GPT(nn.Module):
             else:
                 nn.init.zeros_(p)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        """idx, targets: (B, T) token ids. Returns logits (B, T, vocab) and the mean loss."""
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, start: int = 0):
+        """idx, targets: (B, T) token ids, at positions start .. start+T-1 of their rows (a slice of
+        each row, under context parallelism). Returns logits (B, T, vocab) and the mean loss."""
         B, T = idx.shape
-        assert T <= self.config.block_size, f"sequence of {T} exceeds block_size {self.config.block_size}"
+        assert start + T <= self.config.block_size, f"sequence of {start + T} exceeds block_size {self.config.block_size}"
         x = self.wte(idx)
         rope = None
         if self.config.arch == "gpt2":
-            x = x + self.wpe(torch.arange(T, device=idx.device))
+            x = x + self.wpe(torch.arange(start, start + T, device=idx.device))
         else:
-            rope = rotary(self.config, T, idx.device)
+            rope = rotary(self.config, T, idx.device, start)
         x = self.drop(x)
         for block in self.blocks:
             if self.activation_checkpointing and self.training:

@@ -15,6 +15,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.nn.parallel import DistributedDataParallel
 
 from config import UserError, parse_args, to_yaml, validate
+from context_parallel import apply_context_parallel, whole_rows
 from config_help import help_text
 from data import prepare_sources
 from tokenizer import check_data_tokenizer, get_tokenizer, is_hf_tokenizer
@@ -60,6 +61,8 @@ def build_model(cfg, gpt_cfg: GPTConfig, topo: Topology) -> torch.nn.Module:
     if topo.is_main:  # before the (for large models, long) initialisation
         n_params = model.num_params()
         print(f"parameters: {n_params:,} ({n_params / 1e6:.1f}M)", flush=True)
+    if topo.cp_size > 1:
+        apply_context_parallel(model, topo.cp_group, topo.cp_size)
     model.activation_checkpointing = cfg.activation_checkpointing
     if cfg.compile:
         for block in model.blocks:
@@ -165,16 +168,18 @@ def evaluate(model, gpt: GPT, loader: BatchLoader, cfg, tokenizer, mc_sets: dict
         total = val_loss_sums(model, loader, cfg.eval_iters * cfg.train_batch)
         dist.all_reduce(total)
         mc = {}
-        for name, items in mc_sets.items():  # a micro batch of items per forward, each rank a share
-            right = mc_sums(model, items, cfg.block_size, cfg.micro_batch, loader.dp_rank, loader.dp_size, loader.device)
-            dist.all_reduce(right)
-            mc[name] = accuracies(right)
-        text = ""
-        if cfg.sample_tokens:
-            # every rank generates the same tokens: each forward's gathers are collectives; eager,
-            # as compiled blocks would recompile for every new sequence length
-            with torch.compiler.set_stance("force_eager"):
-                text = complete(gpt, tokenizer, "", cfg.sample_tokens, seed=cfg.seed, device=loader.device)
+        with whole_rows(gpt):  # items and samples of any length: every rank computes its own alone
+            for name, items in mc_sets.items():  # a micro batch of items per forward, each rank a share
+                right = mc_sums(model, items, cfg.block_size, cfg.micro_batch, dist.get_rank(), dist.get_world_size(),
+                                loader.device)
+                dist.all_reduce(right)
+                mc[name] = accuracies(right)
+            text = ""
+            if cfg.sample_tokens:
+                # every rank generates the same tokens: each forward's gathers are collectives; eager,
+                # as compiled blocks would recompile for every new sequence length
+                with torch.compiler.set_stance("force_eager"):
+                    text = complete(gpt, tokenizer, "", cfg.sample_tokens, seed=cfg.seed, device=loader.device)
     # with no backward to follow, FSDP leaves units that skip resharding after forward (the
     # root, the last block, all under SHARD_GRAD_OP) gathered: free them, and let the
     # parameters seen by checkpoints be the sharded ones again
@@ -218,8 +223,8 @@ def open_loader(cfg, sources: dict, topo: Topology, train_state: dict, step: int
                                         step, cfg.train_batch)
         if note and topo.is_main:
             print(f"note: {note}", flush=True)
-    loader = BatchLoader(sources, cfg.block_size, cfg.train_batch, cfg.micro_batch, topo.rank, topo.world_size,
-                         cfg.seed, topo.device, segment, cfg.align_rows)
+    loader = BatchLoader(sources, cfg.block_size, cfg.train_batch, cfg.micro_batch, topo.dp_rank, topo.dp_size,
+                         cfg.seed, topo.device, segment, cfg.align_rows, topo.cp_rank, topo.cp_size)
     if topo.is_main and cfg.align_rows:
         cropped = ", ".join(f"{name} {share:.1%}" for name, share in loader.cropped().items())
         print(f"note: align_rows: rows start at documents; train tokens never read (cropped): {cropped}", flush=True)
@@ -244,11 +249,12 @@ def train(cfg) -> None:
     topo = init_distributed(cfg)
     if cfg.init_from:  # the folder defines the model (and the tokenizer, unless one is named)
         agree(lambda: (define_model(cfg), validate(cfg)))
-    rank, world, device = topo.rank, topo.world_size, topo.device
-    if cfg.train_batch % (cfg.micro_batch * world):
+    rank, world, device, dp = topo.rank, topo.world_size, topo.device, topo.dp_size
+    if cfg.train_batch % (cfg.micro_batch * dp):
+        shares = f"{dp} data-parallel shares ({world} ranks / cp_size {cfg.cp_size})" if cfg.cp_size > 1 else f"{world} ranks"
         raise UserError(f"train_batch={cfg.train_batch} must be a multiple of micro_batch={cfg.micro_batch} "
-                        f"x {world} ranks = {cfg.micro_batch * world}")
-    accum_steps = cfg.train_batch // (cfg.micro_batch * world)
+                        f"x {shares} = {cfg.micro_batch * dp}")
+    accum_steps = cfg.train_batch // (cfg.micro_batch * dp)
     dtype = compute_dtype(cfg.dtype, device)
     check_offload(dtype, cfg.cpu_offload)
     check_skip(cfg, dtype)
@@ -276,6 +282,7 @@ def train(cfg) -> None:
             print(f"note: config written for world_size={cfg.world_size}, launched with {world} ranks; "
                   f"train_batch={cfg.train_batch} stays global, so accumulation is now {accum_steps} micro-steps")
         print(f"{world} ranks, {cfg.sharding_strategy if cfg.fsdp else 'DDP'}, mesh {topo.describe_mesh()}, "
+              f"{f'context parallel {cfg.cp_size} (each row over {cfg.cp_size} ranks), ' if cfg.cp_size > 1 else ''}"
               f"{'model not wrapped (one process: nothing to shard), ' if topo.wrap == 'none' else ''}"
               f"gradient accumulation {accum_steps}, compute dtype {dtype}", flush=True)
     model = build_model(cfg, gpt_cfg, topo)
@@ -318,7 +325,7 @@ def train(cfg) -> None:
             for micro_step, (x, y) in enumerate(times.batches(loader.micro_batches(step))):
                 set_gradient_sync(model, micro_step == accum_steps - 1)
                 with compute():
-                    _, loss = model(x, y)
+                    _, loss = model(x, y, start=loader.start)
                 scaler.scale(loss / accum_steps).backward()
                 loss_sum += loss.detach()
             if world > 1:  # every rank's share: every rank judges the global batch's loss alike

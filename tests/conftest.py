@@ -188,6 +188,10 @@ CANONICAL = {  # name: (ranks, settings)
     "NO_SHARD": (4, dict(sharding_strategy="NO_SHARD", checkpoint_type="sharded")),
     "HYBRID_SHARD": (4, dict(sharding_strategy="HYBRID_SHARD", fsdp_size=2, checkpoint_type="sharded")),
     "DDP": (4, dict(fsdp=False, checkpoint_type="sharded")),
+    # context parallelism: each row over 2 ranks, alone and beside 2-way data parallelism
+    "cp2": (2, dict(cp_size=2, checkpoint_type="sharded")),
+    "cp2_dp2": (4, dict(cp_size=2, checkpoint_type="sharded")),
+    "cp2_hybrid": (4, dict(cp_size=2, sharding_strategy="HYBRID_SHARD", fsdp_size=2, checkpoint_type="sharded")),
 }
 
 

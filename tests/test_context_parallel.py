@@ -1,0 +1,89 @@
+"""Context parallelism (cp_size): each row split over ranks trains the same run as one process, for
+both layouts and both optimizers, beside data parallelism; its checkpoints do not depend on cp_size."""
+import os
+import re
+
+import pytest
+
+from conftest import DEMO, RUN, checkpoint_of, run_trainer, scalars
+from config import UserError, parse_args
+
+TAGS = ("train/loss", "train/grad_norm", "val/loss")
+
+
+def logged(run_dir) -> dict[str, dict[int, float]]:
+    return {tag: scalars(os.path.join(run_dir, "tb"), tag) for tag in TAGS}
+
+
+def assert_parity(reference: dict, got: dict) -> None:
+    for tag, values in reference.items():
+        assert sorted(got[tag]) == sorted(values), tag
+        for step, value in values.items():
+            assert got[tag][step] == pytest.approx(value, rel=1e-4), (tag, step)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["cp2", "cp2_dp2", "cp2_hybrid"])
+def test_rows_split_over_ranks_train_as_one_process(name, run_of):
+    run_dir = run_of(name)
+    with open(os.path.join(run_dir, "stdout.txt")) as f:
+        out = f.read()
+    dp = 1 if name == "cp2" else 2
+    assert f"context parallel 2 (each row over 2 ranks), gradient accumulation {24 // (2 * dp)}," in out
+    assert_parity(logged(run_of("one")), logged(run_dir))
+
+
+# the Llama layout with grouped-query attention (4 heads, 2 key/value heads: each rank attends with
+# 2 and 1), and Muon; the GPT-2 layout with Muon, and Llama with AdamW
+LAYOUTS = {"llama_muon": dict(arch="llama", n_head=4, n_kv_head=2, optimizer="muon"),
+           "gpt2_muon": dict(optimizer="muon"), "llama_adamw": dict(arch="llama", n_head=4, n_kv_head=2)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_both_layouts_and_optimizers_match_one_process(layout, corpus, tmp_path):
+    settings = dict(RUN, **LAYOUTS[layout], **corpus)
+    runs = {"one": (1, {}), "cp2": (2, dict(cp_size=2))}
+    if layout == "llama_muon":
+        runs["cp2_hybrid"] = (4, dict(cp_size=2, sharding_strategy="HYBRID_SHARD", fsdp_size=2))
+    for name, (nproc, extra) in runs.items():
+        os.makedirs(tmp_path / name)
+        run_trainer(str(tmp_path / name), nproc=nproc, **settings, **extra)
+    for name in runs:
+        assert_parity(logged(tmp_path / "one"), logged(tmp_path / name))
+
+
+def resumed(tmp_path, checkpoint: str, nproc: int, **settings) -> dict[int, float]:
+    os.makedirs(tmp_path)
+    result = run_trainer(str(tmp_path), nproc=nproc, resume_from=checkpoint, checkpoint_type="sharded", **(RUN | settings))
+    assert f"resumed from {checkpoint} at step 3" in result.stdout
+    return scalars(str(tmp_path / "tb"), "train/loss")
+
+
+@pytest.mark.slow
+def test_checkpoints_do_not_depend_on_cp_size(run_of, corpus, tmp_path):
+    cp2, cp1 = (scalars(os.path.join(run_of(name), "tb"), "train/loss") for name in ("cp2", "sharded2"))
+    same = resumed(tmp_path / "same", checkpoint_of(run_of("cp2"), "sharded", 3), 2, cp_size=2, **corpus)
+    assert sorted(same) == [4, 5, 6] and all(same[s] == cp2[s] for s in same)  # bitwise at the same cp_size
+    for checkpoint_run, cp_size, expected in (("cp2", 1, cp2), ("sharded2", 2, cp1)):  # 2 -> 1 and 1 -> 2
+        got = resumed(tmp_path / f"to{cp_size}", checkpoint_of(run_of(checkpoint_run), "sharded", 3), 2,
+                      cp_size=cp_size, **corpus)
+        assert sorted(got) == [4, 5, 6]
+        assert all(got[s] == pytest.approx(expected[s], rel=1e-4) for s in got), (checkpoint_run, got, expected)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["--cp_size=3"], "cp_size=3 must divide n_head=4"),
+    (["--cp_size=4", "--arch=llama", "--n_kv_head=2"], "cp_size=4 must divide n_kv_head=2"),
+    (["--cp_size=2", "--block_size=127"], "cp_size=2 must divide block_size=127"),
+    (["--cp_size=0"], "cp_size must be 1 or more, got 0"),
+])
+def test_cp_size_that_does_not_divide_the_model_is_refused(overrides, message):
+    with pytest.raises(UserError, match=re.escape(message)):
+        parse_args([DEMO] + overrides)  # the demo: 4 heads, block_size 128
+
+
+def test_cp_size_that_does_not_divide_the_world_is_refused(corpus, tmp_path):
+    result = run_trainer(str(tmp_path), cp_size=2, check=False, **corpus)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == "error: cp_size=2 must divide the world size 1: launch a multiple of 2 ranks"
