@@ -150,14 +150,29 @@ def load_file(path: str, mmap: bool = False) -> dict:
     return obj
 
 
-def check_model_shape(source: str, saved: dict, cfg, action: str = "resume it") -> None:
+# a Llama-layout run may change its context on resume (a long-context phase): RoPE holds no weights
+# per position, so the same weights run at any block_size, with another base or scaling
+CONTEXT_KEYS = ("block_size", "rope_theta", "rope_scaling")
+
+
+def check_model_shape(source: str, saved: dict, cfg, action: str = "resume it") -> list[str]:
     """The model the config builds must be the one `source` holds (keys a checkpoint lacks,
-    written before they existed, take GPTConfig's defaults: the GPT-2 layout)."""
+    written before they existed, take GPTConfig's defaults: the GPT-2 layout), but for the Llama
+    layout's CONTEXT_KEYS: their changes are returned, as "block_size 1024 -> 8192"."""
     theirs, ours = GPTConfig(**saved), GPTConfig(**cfg.model_shape)
+    changes = []
     for key in MODEL_SHAPE_KEYS:
-        if getattr(theirs, key) != getattr(ours, key):
-            raise UserError(f"{source} has {key}={getattr(theirs, key)} but the config has {key}="
-                            f"{getattr(ours, key)}: set --{key}={getattr(theirs, key)} to {action}")
+        was, now = getattr(theirs, key), getattr(ours, key)
+        if was == now:
+            continue
+        if key in CONTEXT_KEYS and theirs.arch == ours.arch == "llama":
+            changes.append(f"{key} {was} -> {now}")
+            continue
+        why = " (GPT-2's learned positions have block_size rows: only the llama layout's context can change)" \
+            if key == "block_size" else ""
+        raise UserError(f"{source} has {key}={was} but the config has {key}={now}: set --{key}={was} to "
+                        f"{action}{why}")
+    return changes
 
 
 def dim0_shard(rows: int, n: int, i: int) -> tuple[int, int]:

@@ -22,7 +22,7 @@ from ckpt_format import (
     FULL_OPTIONS, LOAD_OPTIONS, SHARD_RE, CorruptCheckpoint, check_model_shape, complete_checkpoints, consolidate,
     fill_local, full_path, host_copy, is_first_replica, load_file, local_slice, marker_path, open_rank_files,
     piece_of, read_marker, read_sharded, save_atomically, shard_path, zero_rows, WriteFailed)
-from ckpt_index import build_index, check_file, check_whole, files_to_open, layout, wanted_rows
+from ckpt_index import build_index, check_file, check_whole, files_to_open, layout, model_key, wanted_rows
 from config import RunStopped, UserError, exit_code, to_dict
 from launch import agree
 from run_lock import RunLock
@@ -261,7 +261,7 @@ class CheckpointManager:
     def _load_full(self, path: str, model, optimizer) -> int:
         def read():
             ckpt = load_file(path)
-            check_model_shape(f"checkpoint {path}", ckpt["model_config"], self.cfg)
+            self._check_shape(f"checkpoint {path}", ckpt["model_config"])
             return ckpt
         ckpt = agree(read if self.topo.is_main else dict)
         header = [ckpt.get("step"), ckpt.get("train_state", {})]
@@ -333,13 +333,21 @@ class CheckpointManager:
             for p, name in names.items():
                 local, offset = local_slice(p)
                 slices[name] = (offset, local.shape[0])
-            # a rank holding no rows at all (more ranks than rows) still reads one file's header
-            ranks = files_to_open(index, wanted_rows(index, slices), self.topo.rank) or [0]
+            # a rank holding no rows at all (more ranks than rows) still reads one file's header, as does
+            # one whose model the checkpoint does not hold: the header's config says how they differ (below)
+            other = any(index.get(model_key(name), (None,))[0] != p.shape[0] for p, name in names.items())
+            ranks = [0] if other else files_to_open(index, wanted_rows(index, slices), self.topo.rank) or [0]
             files = open_rank_files(directory, step, ranks)
             for r, f in zip(ranks, files):
                 check_file(index, f, r, shard_path(directory, step, r))
-        check_model_shape(f"checkpoint {shard_path(directory, step, files[0]['rank'])}", files[0]["model_config"], self.cfg)
+        self._check_shape(f"checkpoint {shard_path(directory, step, files[0]['rank'])}", files[0]["model_config"])
         return files
+
+    def _check_shape(self, source: str, saved: dict) -> None:
+        changes = check_model_shape(source, saved, self.cfg)
+        if changes and self.topo.is_main:
+            print(f"note: the context changes on resume: {', '.join(changes)}; the weights are the checkpoint's, "
+                  f"the data continues after its step (each batch a function of (seed, step))", flush=True)
 
 
 def main(argv: list[str]) -> int:

@@ -87,3 +87,24 @@ def test_cp_size_that_does_not_divide_the_world_is_refused(corpus, tmp_path):
     result = run_trainer(str(tmp_path), cp_size=2, check=False, **corpus)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == "error: cp_size=2 must divide the world size 1: launch a multiple of 2 ranks"
+
+
+@pytest.mark.slow
+def test_a_llama_run_lengthens_its_context_on_resume_and_gpt2_is_told_why_not(run_of, corpus, tmp_path):
+    llama = dict(RUN, arch="llama", n_head=4, n_kv_head=2, checkpoint_type="sharded", **corpus)
+    os.makedirs(tmp_path / "short")
+    run_trainer(str(tmp_path / "short"), nproc=2, **llama | dict(max_iters=3))
+    os.makedirs(tmp_path / "long")
+    result = run_trainer(str(tmp_path / "long"), nproc=2, resume_from=checkpoint_of(tmp_path / "short", "sharded", 3),
+                         **llama | dict(block_size=64, rope_theta=50000.0, cp_size=2, micro_batch=1))
+    assert ("note: the context changes on resume: block_size 32 -> 64, rope_theta 10000.0 -> 50000.0; the weights are "
+            "the checkpoint's, the data continues after its step") in result.stdout
+    assert "context parallel 2 (each row over 2 ranks)" in result.stdout
+    assert sorted(scalars(str(tmp_path / "long" / "tb"), "train/loss")) == [4, 5, 6]
+
+    os.makedirs(tmp_path / "gpt2")
+    # every rank exits 2, which torchrun reports as 1
+    refused = run_trainer(str(tmp_path / "gpt2"), nproc=2, check=False, block_size=64, resume_from=checkpoint_of(
+        run_of("cp2"), "sharded", 3), **RUN | corpus)
+    assert refused.returncode == 1 and "but the config has block_size=64: set --block_size=32 to resume it (GPT-2's " \
+        "learned positions have block_size rows: only the llama layout's context can change)" in refused.stderr
