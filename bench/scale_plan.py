@@ -9,7 +9,9 @@ second moment per row); the bytes each
 rank sends per optimizer step (all-gathers, reduce-scatters, HYBRID's all-reduce across
 replicas, Muon's exchanges of the matrices); the sharded checkpoint's size, the time to write and to read it at
 the filesystem's aggregate bandwidth (replica groups past the first receive their slices over
-the network instead), the rank files each rank opens on resume and the index's size. Ring
+the network instead), the rank files each rank opens on resume and the index's size; with
+cp_size, the tokens of a row each rank computes and Ulysses' all-to-alls of q, k, v and the
+attention's output (forward and backward, and the forward again under activation checkpointing). Ring
 collectives: a rank sends (n-1)/n of the gathered or reduced bytes, an all-reduce twice that. The rank with the most rows is shown (rank 0: FSDP2 splits dim 0 like torch.chunk).
 """
 import argparse
@@ -65,7 +67,8 @@ class Plan:
         self.tokens = cfg.train_batch * cfg.block_size  # per optimizer step
         self.params = [p for unit in self.units for p in unit]
         self.numel = sum(shape.numel() for _, shape in self.params)
-        self.micro_steps = cfg.train_batch // (cfg.micro_batch * gpus)
+        # the cp_size ranks of a context group share rows: gpus / cp_size data-parallel shares
+        self.micro_steps = cfg.train_batch // (cfg.micro_batch * gpus // cfg.cp_size)
 
     def slices(self, rank: int) -> dict:
         """{name: (offset, rows)} of every parameter's dim-0 slice on `rank` (shard index rank % shard)."""
@@ -98,7 +101,17 @@ class Plan:
         gathers = self.micro_steps * (self.numel + regathered) * BYTES[cfg.dtype]
         reduced = self.numel * BYTES[cfg.reduce_dtype]
         return {"all-gather": gathers * (n - 1) / n, "reduce-scatter": reduced * (n - 1) / n,
-                "all-reduce": 2 * (r - 1) / r * reduced / n, "muon exchange": muon_exchange}
+                "all-reduce": 2 * (r - 1) / r * reduced / n, "muon exchange": muon_exchange,
+                "ulysses": self.ulysses_bytes()}
+
+    def ulysses_bytes(self) -> float:
+        """Per step: each layer's four all-to-alls (q, k, v in; the output back) of this rank's
+        slice, each sending (cp-1)/cp of it; as many again in backward, and in a recomputed forward."""
+        cfg, model_cfg, cp = self.cfg, self.model.config, self.cfg.cp_size
+        heads = 2 * model_cfg.n_head + 2 * model_cfg.n_kv_head  # q and the output; k and v
+        per_forward = model_cfg.n_layer * heads * cfg.micro_batch * cfg.block_size // cp * model_cfg.head_dim
+        passes = 3 if cfg.activation_checkpointing else 2
+        return self.micro_steps * passes * per_forward * BYTES[cfg.dtype] * (cp - 1) / cp
 
     def index(self) -> dict:
         """The sharded checkpoint's index as ckpt_index builds it: replica group 0 writes the rows."""
@@ -135,6 +148,9 @@ def column(plan: Plan, bandwidth: float) -> dict:
         "all-gather GB sent per rank per step": f"{sent['all-gather'] / GB:.3f}",
         "reduce-scatter GB sent per rank per step": f"{sent['reduce-scatter'] / GB:.3f}",
         "all-reduce GB sent per rank per step": f"{sent['all-reduce'] / GB:.3f}",
+        **({"tokens of a row a rank computes (cp_size ranks a row)": f"{plan.cfg.block_size // plan.cfg.cp_size:,} "
+            f"of {plan.cfg.block_size:,} ({plan.cfg.cp_size})",
+            "Ulysses all-to-all GB sent per rank per step": f"{sent['ulysses'] / GB:.3f}"} if plan.cfg.cp_size > 1 else {}),
         **({"muon exchange GB sent per rank per step": f"{sent['muon exchange'] / GB:.3f}",
             "Newton-Schulz FLOPs / training FLOPs, busiest rank": f"{newton_schulz_share(plan.model, plan.tokens, plan.gpus, plan.gpus):.2e}"}
            if plan.cfg.optimizer == "muon" else {}),
@@ -169,14 +185,19 @@ def main(argv: list[str]) -> int:
     if cfg.vocab_size is None:  # the run takes it from its data
         cfg.vocab_size = GPT2_VOCAB
         print(f"vocab_size: {GPT2_VOCAB} (GPT-2's tokens; set --vocab_size=N for other data)")
-    if cfg.train_batch % (cfg.micro_batch * args.gpus):
-        raise UserError(f"train_batch={cfg.train_batch} must be a multiple of micro_batch={cfg.micro_batch} x "
-                        f"{args.gpus} GPUs: set --train_batch")
+    if args.gpus % cfg.cp_size:
+        raise UserError(f"cp_size={cfg.cp_size} must divide --gpus={args.gpus}")
+    shares = args.gpus // cfg.cp_size
+    if cfg.train_batch % (cfg.micro_batch * shares):
+        split = f"{shares} data-parallel shares ({args.gpus} GPUs / cp_size {cfg.cp_size})" if cfg.cp_size > 1 else \
+            f"{args.gpus} GPUs"
+        raise UserError(f"train_batch={cfg.train_batch} must be a multiple of micro_batch={cfg.micro_batch} x {split}: "
+                        f"set --train_batch")
     plans = {"FULL_SHARD": Plan(cfg, args.gpus, args.gpus),
              "HYBRID_SHARD": Plan(cfg, args.gpus, cfg.fsdp_size or args.gpus_per_node)}
     plan = plans["FULL_SHARD"]
     print(f"{plan.numel:,} parameters stored (position embeddings included), {args.gpus} GPUs ({args.gpus_per_node} per node), "
-          f"{plan.micro_steps} micro-steps of {cfg.micro_batch} x {cfg.block_size} tokens per rank per step, "
+          f"{plan.micro_steps} micro-steps of {cfg.micro_batch} x {cfg.block_size // cfg.cp_size} tokens per rank per step, "
           f"compute {cfg.dtype if cfg.dtype != 'auto' else 'bf16'}, reduce {cfg.reduce_dtype}")
     for row in report(plans, args.bandwidth):
         print("| " + " | ".join(row) + " |")

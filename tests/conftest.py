@@ -192,6 +192,7 @@ CANONICAL = {  # name: (ranks, settings)
     "cp2": (2, dict(cp_size=2, checkpoint_type="sharded")),
     "cp2_dp2": (4, dict(cp_size=2, checkpoint_type="sharded")),
     "cp2_hybrid": (4, dict(cp_size=2, sharding_strategy="HYBRID_SHARD", fsdp_size=2, checkpoint_type="sharded")),
+    "cp2_ddp": (2, dict(cp_size=2, fsdp=False, checkpoint_type="sharded")),
 }
 
 

@@ -23,12 +23,12 @@ def assert_parity(reference: dict, got: dict) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["cp2", "cp2_dp2", "cp2_hybrid"])
+@pytest.mark.parametrize("name", ["cp2", "cp2_dp2", "cp2_hybrid", "cp2_ddp"])
 def test_rows_split_over_ranks_train_as_one_process(name, run_of):
     run_dir = run_of(name)
     with open(os.path.join(run_dir, "stdout.txt")) as f:
         out = f.read()
-    dp = 1 if name == "cp2" else 2
+    dp = 2 if name in ("cp2_dp2", "cp2_hybrid") else 1
     assert f"context parallel 2 (each row over 2 ranks), gradient accumulation {24 // (2 * dp)}," in out
     assert_parity(logged(run_of("one")), logged(run_dir))
 

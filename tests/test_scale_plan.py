@@ -48,3 +48,22 @@ def test_plan_prints_a_table_and_refuses_a_batch_that_does_not_split(capsys):
     assert "| rank files a rank opens on resume | 1 | 1 |" in out
     assert exit_code(lambda: main([config, "--gpus", "128"])) == 2
     assert "error: train_batch=512 must be a multiple of micro_batch=8 x 128 GPUs" in capsys.readouterr().err
+
+
+def test_plan_counts_the_context_groups_all_to_alls(capsys):
+    """Ulysses sends each layer's q, k, v and output slices, (cp-1)/cp of each, in forward and
+    backward (and a recomputed forward): 8B Llama at 32k, each row over 8 of 64 GPUs."""
+    llama_8b = [os.path.join(ROOT, "config", "llama_124M.yaml"), "--gpus", "64", "--arch=llama", "--n_layer=32",
+                "--n_embd=4096", "--n_head=32", "--n_kv_head=8", "--ffn_hidden=14336", "--vocab_size=128256",
+                "--block_size=32768", "--cp_size=8", "--micro_batch=1", "--train_batch=64", "--dtype=bf16"]
+    sent = {}
+    for recompute in ("false", "true"):
+        assert main(llama_8b + [f"--activation_checkpointing={recompute}"]) == 0
+        out = capsys.readouterr().out
+        assert "8 micro-steps of 1 x 4096 tokens per rank per step" in out
+        assert "| tokens of a row a rank computes (cp_size ranks a row) | 4,096 of 32,768 (8) |" in out
+        sent[recompute] = float(out.split("| Ulysses all-to-all GB sent per rank per step | ")[1].split(" |")[0])
+    # 8 micro-steps x 32 layers x (2 x 32 + 2 x 8 heads) x 4096 tokens x 128 x 2 bytes x 7/8, twice
+    assert sent["false"] == pytest.approx(8 * 32 * 80 * 4096 * 128 * 2 * 7 / 8 * 2 / 1e9, abs=1e-3)
+    assert sent["true"] == pytest.approx(sent["false"] * 3 / 2, abs=1e-3)
+
