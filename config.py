@@ -137,6 +137,8 @@ class TrainConfig:
     compile: bool = key(False, "torch.compile each DecoderBlock")
     cp_size: int = key(1, "context parallelism: ranks that split each row's block_size tokens (Ulysses: dividing "
                           "the world size, n_head, n_kv_head and block_size)")
+    doc_mask: bool = key(False, "attention stops at the data's separator token between documents inside a row "
+                                "(the separator opens the document after it)")
     world_size: int | None = key(None, "the launch size the config was written for: another is reported, not "
                                        "refused; null: any")
     checkpoint_dir: str = key("checkpoints", "where checkpoints go")

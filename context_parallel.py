@@ -45,10 +45,14 @@ class UlyssesAttention:
     def __init__(self, group, cp_size: int):
         self.group, self.cp = group, cp_size
 
-    def __call__(self, q, k, v, dropout_p: float, enable_gqa: bool) -> torch.Tensor:
+    def __call__(self, q, k, v, dropout_p: float, enable_gqa: bool, opens: torch.Tensor | None = None) -> torch.Tensor:
         # (B, heads, T/cp, D) -> (B, heads/cp, T, D): my heads, every rank's tokens
         q, k, v = (_exchange(t, self.group, self.cp, split_dim=1, gather_dim=2) for t in (q, k, v))
-        y = causal_attention(q, k, v, dropout_p, enable_gqa)
+        if opens is not None:  # where documents open in the whole row: every rank's slice of it
+            pieces = [torch.empty_like(opens, dtype=torch.uint8) for _ in range(self.cp)]
+            dist.all_gather(pieces, opens.to(torch.uint8), group=self.group)
+            opens = torch.cat(pieces, dim=-1).bool()
+        y = causal_attention(q, k, v, dropout_p, enable_gqa, opens)
         return _exchange(y, self.group, self.cp, split_dim=2, gather_dim=1)  # back: all heads, my tokens
 
 

@@ -1,6 +1,6 @@
 """Validation loss: the sums the trainer reduces at every eval, and a standalone evaluation.
 
-python evaluate.py CHECKPOINT [--data_path PATH] [--eval_iters N] [--micro_batch M] [--dtype D]
+python evaluate.py CHECKPOINT [--data_path PATH] [--eval_iters N] [--micro_batch M] [--dtype D] [--doc_mask B]
 python evaluate.py CHECKPOINT --mc FILE [FILE ...]     # multiple-choice acc and acc_norm (mc_eval.py)
 
 val/loss is the mean next-token loss over the first eval_iters * train_batch windows of
@@ -27,13 +27,14 @@ from precision import DTYPES, autocast, compute_dtype, pick_device
 
 
 @torch.no_grad()
-def val_loss_sums(model, loader: BatchLoader, n_windows: int) -> torch.Tensor:
+def val_loss_sums(model, loader: BatchLoader, n_windows: int, doc_mask: bool = False) -> torch.Tensor:
     """(sources, 2), float64: each source's (sum of per-window mean losses, number of windows) over
     this rank's share. Under context parallelism a rank holds 1/cp_size of each window: its share of
-    the window's mean and count is 1/cp_size of its slice's."""
+    the window's mean and count is 1/cp_size of its slice's. doc_mask: attention stops at the data's
+    separator, as the run trained."""
     total = torch.zeros(len(loader.names), 2, dtype=torch.float64, device=loader.device)
     for k, x, y, weight in loader.val_batches(n_windows):
-        logits, _ = model(x, start=loader.start)
+        logits, _ = model(x, start=loader.start, separator=loader.separator if doc_mask else None)
         per_window = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none").view_as(y).mean(1)
         total[k] += torch.stack([(per_window * weight).sum(), weight.sum()]).double() / loader.cp_size
     return total
@@ -54,6 +55,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--eval_iters", type=int, help="default: the run's; windows = eval_iters * train_batch")
     parser.add_argument("--micro_batch", type=int, help="sequences per forward (default: the run's)")
     parser.add_argument("--dtype", choices=DTYPES, help="compute dtype (default: the run's)")
+    parser.add_argument("--doc_mask", choices=("true", "false"), help="attention stops at the separator between "
+                        "documents (default: the run's doc_mask)")
     parser.add_argument("--mc", nargs="+", metavar="FILE", help="multiple-choice files (HellaSwag jsonl, "
                         "{context, choices, label} jsonl, llm.c .bin): acc and acc_norm instead of val loss")
     args = parser.parse_args(argv)
@@ -76,7 +79,8 @@ def main(argv: list[str]) -> int:
                          segment)  # one rank, val windows only
     n_windows = (args.eval_iters or run["eval_iters"]) * run["train_batch"]
     with autocast(dtype, device, fsdp=False):
-        total = val_loss_sums(model, loader, n_windows)
+        doc_mask = run.get("doc_mask", False) if args.doc_mask is None else args.doc_mask == "true"
+        total = val_loss_sums(model, loader, n_windows, doc_mask)
     loss, per_source = val_losses(total, loader)
     each = "".join(f" | {name} {value:.6f}" for name, value in per_source.items()) if mix else ""
     print(f"step {ckpt['step']} | val loss {loss:.6f} | perplexity {math.exp(loss):.3f}{each} "

@@ -100,6 +100,7 @@ class BatchLoader:
         self.block_size, self.train_batch, self.micro_batch = block_size, train_batch, micro_batch
         self.dp_rank, self.dp_size, self.seed, self.device = dp_rank, dp_size, seed, device
         self.cp_size, self.start = cp_size, cp_rank * (block_size // cp_size)
+        self.separator = next(iter(sources.values()))[1].get("eot_token")  # between documents (None: not known)
         self.names = list(sources)
         self.splits = {split: [open_split(path, meta, split) for path, meta in sources.values()]
                        for split in ("train", "val")}

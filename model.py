@@ -100,11 +100,21 @@ def sdpa_takes_gqa(q: torch.Tensor) -> bool:
             and head_dim % 8 == 0 and head_dim <= 256)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
-                     enable_gqa: bool) -> torch.Tensor:
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, enable_gqa: bool,
+                     opens: torch.Tensor | None = None) -> torch.Tensor:
     """Attention's core: q (B, heads, T, head_dim), k and v (B, kv heads, T, head_dim) -> like q.
-    SDPA picks flash / memory-efficient kernels on GPU, a fused flash kernel on CPU."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, enable_gqa=enable_gqa)
+    opens (B, T): the tokens that open a document (the separator), or None: the row is one sequence.
+    With documents, a token attends to the earlier tokens of its own document only: SDPA with that
+    mask runs the memory-efficient kernel on GPU (flash takes no mask) and the fused one on CPU.
+    Without, SDPA picks flash / memory-efficient kernels on GPU, a fused flash kernel on CPU."""
+    if opens is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, enable_gqa=enable_gqa)
+    docs = opens.cumsum(-1)  # (B, T): which document of the row each token is in
+    T = docs.shape[-1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=docs.device).tril()
+    mask = (docs.unsqueeze(-1) == docs.unsqueeze(-2)) & causal  # (B, T, T): the diagonal always allowed
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1), dropout_p=dropout_p,
+                                          enable_gqa=enable_gqa)
 
 
 class CausalSelfAttention(nn.Module):
@@ -125,7 +135,7 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
-                idx: torch.Tensor | None = None) -> torch.Tensor:
+                idx: torch.Tensor | None = None, opens: torch.Tensor | None = None) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split([self.n_head * self.head_dim] + [self.n_kv_head * self.head_dim] * 2, dim=2)
         if hasattr(self, "value_embed"):
@@ -141,7 +151,7 @@ class CausalSelfAttention(nn.Module):
         if grouped and not sdpa_takes_gqa(q):  # a key/value head per query head: memory-efficient kernels run
             k, v = (t.repeat_interleave(self.n_head // self.n_kv_head, dim=1) for t in (k, v))
             grouped = False
-        y = self.core(q, k, v, self.dropout if self.training else 0.0, grouped)
+        y = self.core(q, k, v, self.dropout if self.training else 0.0, grouped, opens)
         y = y.transpose(1, 2).contiguous().view(B, T, self.n_head * self.head_dim)
         return self.resid_dropout(self.c_proj(y))
 
@@ -180,9 +190,10 @@ class DecoderBlock(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                idx: torch.Tensor | None = None) -> torch.Tensor:
-        """idx: the input tokens, for the value embeddings of the first value_embeds blocks."""
-        x = x + self.attn(self.ln_1(x), rope, idx)
+                idx: torch.Tensor | None = None, opens: torch.Tensor | None = None) -> torch.Tensor:
+        """idx: the input tokens, for the value embeddings of the first value_embeds blocks; opens:
+        the tokens that open a document, where attention stops (None: none)."""
+        x = x + self.attn(self.ln_1(x), rope, idx, opens)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -226,9 +237,13 @@ class GPT(nn.Module):
             else:
                 nn.init.zeros_(p)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, start: int = 0):
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, start: int = 0,
+                separator: int | None = None):
         """idx, targets: (B, T) token ids, at positions start .. start+T-1 of their rows (a slice of
-        each row, under context parallelism). Returns logits (B, T, vocab) and the mean loss."""
+        each row, under context parallelism). separator: the token between documents (it opens the
+        one after it); attention does not cross it (None: rows are single sequences). Positions stay
+        the row's: RoPE's attention depends on distances alone, so a document attends the same
+        anywhere in a row. Returns logits (B, T, vocab) and the mean loss."""
         B, T = idx.shape
         assert start + T <= self.config.block_size, f"sequence of {start + T} exceeds block_size {self.config.block_size}"
         x = self.wte(idx)
@@ -238,11 +253,12 @@ class GPT(nn.Module):
         else:
             rope = rotary(self.config, T, idx.device, start)
         x = self.drop(x)
+        opens = None if separator is None else idx == separator
         for block in self.blocks:
             if self.activation_checkpointing and self.training:
-                x = checkpoint(block, x, rope, idx, use_reentrant=False)
+                x = checkpoint(block, x, rope, idx, opens, use_reentrant=False)
             else:
-                x = block(x, rope, idx)
+                x = block(x, rope, idx, opens)
         logits = self.lm_head(self.ln_f(x))
         if self.config.logit_softcap:  # Gemma 2's soft cap: large logits can't run away
             # in fp32, as the speedruns cap: in bf16 its gradient is off by ~2e-3 relative

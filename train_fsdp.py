@@ -165,7 +165,7 @@ def evaluate(model, gpt: GPT, loader: BatchLoader, cfg, tokenizer, mc_sets: dict
     `compute`: the context training's forwards run in."""
     model.eval()
     with compute():
-        total = val_loss_sums(model, loader, cfg.eval_iters * cfg.train_batch)
+        total = val_loss_sums(model, loader, cfg.eval_iters * cfg.train_batch, cfg.doc_mask)
         dist.all_reduce(total)
         mc = {}
         with whole_rows(gpt):  # items and samples of any length: every rank computes its own alone
@@ -299,6 +299,10 @@ def train(cfg) -> None:
     spikes = SpikeDetector(device, cfg.spike_zscore, cfg.spike_window)
     spikes.load(ckpt.train_state.get("spikes"))
     times = StepTimes(device)
+    if cfg.doc_mask and loader.separator is None:
+        raise UserError(f"doc_mask needs the token that separates documents, which {data_path}/meta.json does not name "
+                        f"(nanoGPT's raw .bin files): prepare the data with data.py, or set doc_mask: false")
+    separator = loader.separator if cfg.doc_mask else None  # doc_mask: attention stops at it
     profiling = Profiling(cfg, rank, device, lambda what: watchdog.arm(what, cfg.init_timeout, "init_timeout"))
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     guard = NonFiniteGuard(device, cfg.max_skipped_steps)
@@ -325,7 +329,7 @@ def train(cfg) -> None:
             for micro_step, (x, y) in enumerate(times.batches(loader.micro_batches(step))):
                 set_gradient_sync(model, micro_step == accum_steps - 1)
                 with compute():
-                    _, loss = model(x, y, start=loader.start)
+                    _, loss = model(x, y, start=loader.start, separator=separator)
                 scaler.scale(loss / accum_steps).backward()
                 loss_sum += loss.detach()
             if world > 1:  # every rank's share: every rank judges the global batch's loss alike

@@ -1,0 +1,78 @@
+"""doc_mask: attention stops at the separator between documents inside a row; each document is
+computed as it would be alone, the same with rows split over ranks; evaluations of single
+sequences (multiple choice) are unaffected."""
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, RUN, run_trainer, scalars, shared
+from data import prepare_data
+from model import GPT, GPTConfig
+
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+from short_docs import main as write_short_docs  # noqa: E402
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_each_document_is_computed_as_it_would_be_alone(arch):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(arch=arch, vocab_size=64, n_layer=2, n_head=4, n_kv_head=2 if arch == "llama" else None,
+                          n_embd=32, block_size=48)).eval()
+    row = torch.randint(1, 64, (2, 48))
+    row[:, [10, 11, 30]] = 0  # separators: documents [0, 10), [10, 11), [11, 30), [30, 48), each opened by one
+    masked, plain = model(row, separator=0)[0], model(row)[0]
+    bounds = [0, 10, 11, 30, 48]
+    for first, end in zip(bounds, bounds[1:]):  # alone, at the same positions of a row
+        torch.testing.assert_close(masked[:, first:end], model(row[:, first:end], start=first)[0], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(plain[:, 30:], masked[:, 30:], atol=1e-3)  # unmasked, later documents see earlier ones
+
+
+@pytest.fixture(scope="session")
+def short_corpus(tmp_path_factory) -> dict:
+    """Python's json and email packages cut at their top-level definitions: 287 documents of ~800
+    bytes, several to a row of 128 tokens."""
+    def make(folder):
+        jsonl = os.path.join(folder, "docs.jsonl")
+        sys.argv = ["short_docs.py", jsonl, "--dirs", "json", "email"]
+        write_short_docs()
+        prepare_data(os.path.join(folder, "prepared"), [jsonl], "bytes")
+    return dict(data_path=os.path.join(shared(tmp_path_factory, "short_docs", make), "prepared"), data_source=None)
+
+
+def mc_items(path) -> str:
+    """A few multiple-choice items ({context, choices, label} jsonl): single sequences."""
+    items = [{"context": f"def f{i}(x):\n    return", "choices": [" x + 1\n", " None\n", " x\n"], "label": i % 3}
+             for i in range(6)]
+    path.write_text("".join(json.dumps(item) + "\n" for item in items))
+    return str(path)
+
+
+@pytest.mark.slow
+def test_doc_mask_is_the_same_over_context_ranks_and_leaves_multiple_choice_alone(short_corpus, tmp_path):
+    settings = dict(RUN, arch="llama", n_head=4, n_kv_head=2, block_size=128, micro_batch=4, eval_interval=3,
+                    mc_eval_path=mc_items(tmp_path / "mc.jsonl"), **short_corpus)
+    runs = {"masked": (1, dict(doc_mask=True)), "masked_cp2": (2, dict(doc_mask=True, cp_size=2)), "plain": (1, {})}
+    for name, (nproc, extra) in runs.items():
+        os.makedirs(tmp_path / name)
+        run_trainer(str(tmp_path / name), nproc=nproc, **settings | extra)
+    tb = {name: str(tmp_path / name / "tb") for name in runs}
+    for tag in ("train/loss", "train/grad_norm", "val/loss"):  # the same run with rows split over 2 ranks
+        one, split = scalars(tb["masked"], tag), scalars(tb["masked_cp2"], tag)
+        assert sorted(one) == sorted(split) and all(split[s] == pytest.approx(one[s], rel=1e-4) for s in one), tag
+    # with the same (initial) weights, the mask changes the val loss: its windows hold several documents...
+    assert scalars(tb["masked"], "val/loss")[0] != scalars(tb["plain"], "val/loss")[0]
+    # ...but not multiple choice, whose items are one sequence each
+    for metric in ("acc", "acc_norm"):
+        assert scalars(tb["masked"], f"eval/mc/{metric}")[0] == scalars(tb["plain"], f"eval/mc/{metric}")[0]
+
+
+def test_doc_mask_needs_data_that_names_its_separator(tmp_path, corpus):
+    raw = tmp_path / "raw"  # nanoGPT's raw .bin files: no meta.json naming a separator
+    os.makedirs(raw)
+    for split in ("train", "val"):
+        (raw / f"{split}.bin").write_bytes(torch.randint(0, 256, (4096,), dtype=torch.int16).numpy().tobytes())
+    result = run_trainer(str(tmp_path), check=False, doc_mask=True, data_path=str(raw), data_source=None, max_iters=1)
+    assert result.returncode == 2 and "error: doc_mask needs the token that separates documents" in result.stderr
