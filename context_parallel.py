@@ -14,7 +14,7 @@ import contextlib
 
 import torch
 import torch.distributed as dist
-from torch.distributed.nn.functional import all_to_all_single
+from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 from model import GPT, causal_attention
 
@@ -34,7 +34,9 @@ def _exchange(t: torch.Tensor, group, cp: int, split_dim: int, gather_dim: int) 
     """t (B, heads, T, D): split along split_dim into cp pieces, piece j sent to rank j; the pieces
     received, in rank order, concatenated along gather_dim."""
     pieces = torch.stack(t.chunk(cp, dim=split_dim)).contiguous()  # (cp, ...): piece j for rank j
-    received = all_to_all_single(torch.empty_like(pieces), pieces, group=group)
+    # the functional collective: traced by torch.compile (torch.distributed.nn's raises under compile,
+    # and the blocks would fall back to eager)
+    received = all_to_all_single_autograd(pieces, None, None, group)
     return torch.cat(received.unbind(0), dim=gather_dim)
 
 

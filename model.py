@@ -88,13 +88,16 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
 
 
-def sdpa_takes_gqa(q: torch.Tensor) -> bool:
+def sdpa_takes_gqa(q: torch.Tensor, masked: bool = False) -> bool:
     """Whether scaled_dot_product_attention(enable_gqa=True) runs q's grouped-query attention
     without a T x T scores matrix. CPU's fused kernel takes it in every dtype; on CUDA only the
     flash kernel does (fp16/bf16 on sm80+, head_dim a multiple of 8 up to 256): elsewhere (fp32,
-    fp16 on a V100 or T4) CUDA would fall back to the math kernel."""
+    fp16 on a V100 or T4, and with a mask, which flash does not take) CUDA would fall back to the
+    math kernel."""
     if q.device.type != "cuda":
         return True
+    if masked:
+        return False
     head_dim = q.shape[-1]
     return (q.dtype in (torch.float16, torch.bfloat16) and torch.cuda.get_device_capability(q.device)[0] >= 8
             and head_dim % 8 == 0 and head_dim <= 256)
@@ -148,7 +151,7 @@ class CausalSelfAttention(nn.Module):
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         grouped = self.n_kv_head != self.n_head
-        if grouped and not sdpa_takes_gqa(q):  # a key/value head per query head: memory-efficient kernels run
+        if grouped and not sdpa_takes_gqa(q, opens is not None):  # a key/value head per query head: memory-efficient kernels run
             k, v = (t.repeat_interleave(self.n_head // self.n_kv_head, dim=1) for t in (k, v))
             grouped = False
         y = self.core(q, k, v, self.dropout if self.training else 0.0, grouped, opens)

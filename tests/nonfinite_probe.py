@@ -24,8 +24,8 @@ def lr_at_marking_the_step(cfg, step):
     return real_lr_at(cfg, step)
 
 
-def forward_with_a_nan_loss(self, idx, targets=None):
-    logits, loss = real_forward(self, idx, targets)
+def forward_with_a_nan_loss(self, idx, targets=None, **kwargs):
+    logits, loss = real_forward(self, idx, targets, **kwargs)
     if loss is not None and self.training and step_now[0] in STEPS:
         loss = loss * float("nan")
     return logits, loss

@@ -109,3 +109,17 @@ def test_a_llama_run_lengthens_its_context_on_resume_and_gpt2_is_told_why_not(ru
         run_of("cp2"), "sharded", 3), **RUN | corpus)
     assert refused.returncode == 1 and "but the config has block_size=64: set --block_size=32 to resume it (GPT-2's " \
         "learned positions have block_size rows: only the llama layout's context can change)" in refused.stderr
+
+
+def test_a_mixture_keeps_its_block_size_on_resume(corpus, tmp_path):
+    """A mixture's checkpoint counts each source's rows of the old length: a longer row is refused."""
+    mix = dict(RUN, arch="llama", n_head=4, n_kv_head=2, max_iters=3, data_source=None,
+               data_mix=f"{{a: {corpus['data_path']}, b: {corpus['data_path']}}}")
+    os.makedirs(tmp_path / "short")
+    run_trainer(str(tmp_path / "short"), **mix)
+    os.makedirs(tmp_path / "long")
+    result = run_trainer(str(tmp_path / "long"), check=False, block_size=64, resume_from=str(
+        tmp_path / "short" / "ckpt" / "fsdp_cpt3.pth"), **mix | dict(max_iters=4))
+    assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].endswith(
+        "a mixture's run can't change block_size on resume (its checkpoint counts each source's rows of 32 tokens): "
+        "keep block_size=32")

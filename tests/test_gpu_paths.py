@@ -134,6 +134,8 @@ def test_grouped_query_attention_avoids_the_math_kernel(monkeypatch):
     assert model_module.sdpa_takes_gqa(q("cuda", torch.bfloat16))
     assert not model_module.sdpa_takes_gqa(q("cuda", torch.float32))
     assert not model_module.sdpa_takes_gqa(q("cuda", torch.bfloat16, head_dim=12))
+    assert not model_module.sdpa_takes_gqa(q("cuda", torch.bfloat16), masked=True)  # doc_mask: flash takes no mask
+    assert model_module.sdpa_takes_gqa(q("cpu", torch.float32), masked=True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))  # a V100
     assert not model_module.sdpa_takes_gqa(q("cuda", torch.float16))
     assert model_module.sdpa_takes_gqa(q("cpu", torch.float32))
@@ -144,7 +146,7 @@ def test_grouped_query_attention_avoids_the_math_kernel(monkeypatch):
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", lambda q, k, v, **kw: (
         calls.append((k.shape[1], kw["enable_gqa"])), sdpa(q, k, v, **kw))[1])
     grouped = attention(x, rope)
-    monkeypatch.setattr(model_module, "sdpa_takes_gqa", lambda q: False)
+    monkeypatch.setattr(model_module, "sdpa_takes_gqa", lambda q, masked: False)
     torch.testing.assert_close(attention(x, rope), grouped)
     assert calls == [(2, True), (4, False)]  # 2 key/value heads grouped natively, then repeated to 4
 

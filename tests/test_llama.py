@@ -139,7 +139,7 @@ def test_export_evaluate_sample_and_init_from(runs, corpus, tmp_path):
     meta = prepare_data(corpus["data_path"], None, "bytes")
     loader = BatchLoader({"data": (corpus["data_path"], meta)}, TINY["block_size"], TINY["micro_batch"], TINY["micro_batch"],
                          0, 1, TINY["seed"], torch.device("cpu"))
-    total, windows = val_loss_sums(lambda x: (hf(x).logits, None), loader, TINY["eval_iters"] * TINY["train_batch"])[0].tolist()
+    total, windows = val_loss_sums(lambda x, start, separator: (hf(x).logits, None), loader, TINY["eval_iters"] * TINY["train_batch"])[0].tolist()
     assert total / windows == pytest.approx(logged, rel=1e-5)
     text = tool("sample.py", checkpoint, "--max_new_tokens", "16", "--seed", "1")
     assert text == tool("sample.py", checkpoint, "--max_new_tokens", "16", "--seed", "1") and text.strip()
