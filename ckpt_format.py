@@ -155,18 +155,18 @@ def load_file(path: str, mmap: bool = False) -> dict:
 CONTEXT_KEYS = ("block_size", "rope_theta", "rope_scaling")
 
 
-def check_model_shape(source: str, saved: dict, cfg, action: str = "resume it") -> list[str]:
+def check_model_shape(source: str, saved: dict, cfg, action: str = "resume it") -> dict[str, tuple]:
     """The model the config builds must be the one `source` holds (keys a checkpoint lacks,
     written before they existed, take GPTConfig's defaults: the GPT-2 layout), but for the Llama
-    layout's CONTEXT_KEYS: their changes are returned, as "block_size 1024 -> 8192"."""
+    layout's CONTEXT_KEYS: their changes are returned, {key: (saved, configured)}."""
     theirs, ours = GPTConfig(**saved), GPTConfig(**cfg.model_shape)
-    changes = []
+    changes = {}
     for key in MODEL_SHAPE_KEYS:
         was, now = getattr(theirs, key), getattr(ours, key)
         if was == now:
             continue
         if key in CONTEXT_KEYS and theirs.arch == ours.arch == "llama":
-            changes.append(f"{key} {was} -> {now}")
+            changes[key] = (was, now)
             continue
         why = " (GPT-2's learned positions have block_size rows: only the llama layout's context can change)" \
             if key == "block_size" else ""

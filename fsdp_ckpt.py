@@ -345,11 +345,12 @@ class CheckpointManager:
 
     def _check_shape(self, source: str, saved: dict) -> None:
         changes = check_model_shape(source, saved, self.cfg)
-        if self.cfg.data_mix is not None and any(change.startswith("block_size") for change in changes):
+        if self.cfg.data_mix is not None and "block_size" in changes:
             raise UserError(f"{source}: a mixture's run can't change block_size on resume (its checkpoint counts each "
                             f"source's rows of {saved['block_size']} tokens): keep block_size={saved['block_size']}")
         if changes and self.topo.is_main:
-            print(f"note: the context changes on resume: {', '.join(changes)}; the weights are the checkpoint's, "
+            said = ", ".join(f"{key} {was} -> {now}" for key, (was, now) in changes.items())
+            print(f"note: the context changes on resume: {said}; the weights are the checkpoint's, "
                   f"the data continues after its step (each batch a function of (seed, step))", flush=True)
 
 

@@ -268,6 +268,9 @@ def train(cfg) -> None:
         print(f"note: the data was prepared with tokenizer '{meta['tokenizer']}', which is used instead of "
               f"the configured '{cfg.tokenizer}'", flush=True)
     cfg.tokenizer = meta["tokenizer"]  # what the data holds: sampling and export decode with it
+    if cfg.doc_mask and meta.get("eot_token") is None:  # before the model is built and resumed
+        raise UserError(f"doc_mask needs the token that separates documents, which {data_path}/meta.json does not name "
+                        f"(nanoGPT's raw .bin files): prepare the data with data.py, or set doc_mask: false")
     tokenizer = resolve_vocabulary(cfg, meta, topo)
     mc_sets = agree(lambda: load_sets(cfg.mc_eval_path or {}, cfg.tokenizer, cfg.vocab_size))
     for name, items in mc_sets.items():
@@ -299,9 +302,6 @@ def train(cfg) -> None:
     spikes = SpikeDetector(device, cfg.spike_zscore, cfg.spike_window)
     spikes.load(ckpt.train_state.get("spikes"))
     times = StepTimes(device)
-    if cfg.doc_mask and loader.separator is None:
-        raise UserError(f"doc_mask needs the token that separates documents, which {data_path}/meta.json does not name "
-                        f"(nanoGPT's raw .bin files): prepare the data with data.py, or set doc_mask: false")
     separator = loader.separator if cfg.doc_mask else None  # doc_mask: attention stops at it
     profiling = Profiling(cfg, rank, device, lambda what: watchdog.arm(what, cfg.init_timeout, "init_timeout"))
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
