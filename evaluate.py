@@ -1,4 +1,4 @@
-"""Validation loss: the sums the trainer reduces at every eval, and a standalone evaluation.
+"""Validation loss (or multiple-choice accuracy) of a checkpoint, in one process (no torchrun).
 
 python evaluate.py CHECKPOINT [--data_path PATH] [--eval_iters N] [--micro_batch M] [--dtype D] [--doc_mask B]
 python evaluate.py CHECKPOINT --mc FILE [FILE ...]     # multiple-choice acc and acc_norm (mc_eval.py)
@@ -15,37 +15,15 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
-from config import UserError, exit_code, named_paths
-from data import prepare_sources
-from loader import BatchLoader
-from mc_eval import accuracies, load_sets, mc_sums, truncated
-from mixture import Segment
-from ckpt_format import load_gpt
-from precision import DTYPES, autocast, compute_dtype, pick_device
-
-
-@torch.no_grad()
-def val_loss_sums(model, loader: BatchLoader, n_windows: int, doc_mask: bool = False) -> torch.Tensor:
-    """(sources, 2), float64: each source's (sum of per-window mean losses, number of windows) over
-    this rank's share. Under context parallelism a rank holds 1/cp_size of each window: its share of
-    the window's mean and count is 1/cp_size of its slice's. doc_mask: attention stops at the data's
-    separator, as the run trained."""
-    total = torch.zeros(len(loader.names), 2, dtype=torch.float64, device=loader.device)
-    for k, x, y, weight in loader.val_batches(n_windows):
-        logits, _ = model(x, start=loader.start, separator=loader.separator if doc_mask else None)
-        per_window = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none").view_as(y).mean(1)
-        total[k] += torch.stack([(per_window * weight).sum(), weight.sum()]).double() / loader.cp_size
-    return total
-
-
-def val_losses(total: torch.Tensor, loader: BatchLoader) -> tuple[float, dict[str, float]]:
-    """The val loss and each source's, from every rank's sums: a mixture's val loss is its sources'
-    mean weighted by data_weights (a source of weight 0 is measured, not counted)."""
-    each = {name: s / n for name, (s, n) in zip(loader.names, total.tolist())}
-    weights = dict(zip(loader.names, loader.val_weights))
-    return sum(weights[name] * loss for name, loss in each.items()) / sum(weights.values()), each
+from fsdp_gpt.checkpoint.ckpt_format import load_gpt
+from fsdp_gpt.config import UserError, exit_code, named_paths
+from fsdp_gpt.data.loader import BatchLoader
+from fsdp_gpt.data.mixture import Segment
+from fsdp_gpt.data.prepare import prepare_sources
+from fsdp_gpt.distributed.precision import DTYPES, autocast, compute_dtype, pick_device
+from fsdp_gpt.evaluation.mc_eval import accuracies, load_sets, mc_sums, truncated
+from fsdp_gpt.evaluation.val_loss import val_loss_sums, val_losses
 
 
 def main(argv: list[str]) -> int:

@@ -20,11 +20,11 @@ import sys
 
 import torch
 
-from config import UserError, exit_code
-from tokenizer import ByteTokenizer, HFTokenizer, get_tokenizer
-from ckpt_format import read_model
-from hf_format import hf_architecture, hf_config, to_hf
-from model import GPTConfig
+from fsdp_gpt.config import UserError, exit_code
+from fsdp_gpt.data.tokenizer import ByteTokenizer, HFTokenizer, get_tokenizer
+from fsdp_gpt.checkpoint.ckpt_format import read_model
+from fsdp_gpt.hf_format import hf_architecture, hf_config, to_hf
+from fsdp_gpt.model import GPTConfig
 
 def oniguruma_pattern(pattern: str) -> str:
     r"""tiktoken's regex for the tokenizers library: Oniguruma reads a possessive `{1,3}+` as a

@@ -12,11 +12,12 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from config import parse_args  # noqa: E402
-from fsdp_ckpt import CheckpointManager  # noqa: E402
-from model import GPTConfig  # noqa: E402
-from launch import init_distributed, run_entry_point  # noqa: E402
-from train_fsdp import build_model, build_optimizer  # noqa: E402
+from fsdp_gpt.config import parse_args  # noqa: E402
+from fsdp_gpt.checkpoint.fsdp_ckpt import CheckpointManager  # noqa: E402
+from fsdp_gpt.model import GPTConfig  # noqa: E402
+from fsdp_gpt.distributed.launch import init_distributed, run_entry_point  # noqa: E402
+from fsdp_gpt.distributed.parallelize import build_model  # noqa: E402
+from fsdp_gpt.optim.build import build_optimizer  # noqa: E402
 
 REPEATS = 3
 

@@ -16,8 +16,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from config import UserError, exit_code  # noqa: E402
-from metrics import read_scalars  # noqa: E402
+from fsdp_gpt.config import UserError, exit_code  # noqa: E402
+from fsdp_gpt.observe.metrics import read_scalars  # noqa: E402
 
 
 def parse(argv: list[str]) -> tuple[str, list[list[str]], list[str], int]:

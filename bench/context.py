@@ -23,7 +23,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from model import GPT, GPTConfig  # noqa: E402
+from fsdp_gpt.model import GPT, GPTConfig  # noqa: E402
 
 DEMO = os.path.join(ROOT, "config", "demo_cpu.yaml")
 MODEL = ["--n_layer=4", "--n_head=4", "--n_embd=128", "--dtype=fp32", "--sample_tokens=0", "--eval_iters=1",

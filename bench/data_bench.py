@@ -69,7 +69,7 @@ def tree_rss_bytes(root_pid: int) -> int:
 def prepare_cmd(corpus: str, out: str, workers: int | str, tokenizer: str) -> list[str]:
     """`data.py prepare`, or with workers = a checkout's folder, that checkout's prepare_data (one process)."""
     if isinstance(workers, str):
-        call = "import sys; sys.path.insert(0, sys.argv[1]); import data; data.prepare_data(sys.argv[2], [sys.argv[3]], sys.argv[4])"
+        call = "import sys; sys.path.insert(0, sys.argv[1]); from fsdp_gpt.data.prepare import prepare_data; prepare_data(sys.argv[2], [sys.argv[3]], sys.argv[4])"
         return [sys.executable, "-c", call, workers, out, corpus, tokenizer]
     return [sys.executable, os.path.join(ROOT, "data.py"), "prepare", out, corpus, f"--tokenizer={tokenizer}",
             f"--workers={workers}"]

@@ -16,10 +16,10 @@ import torch.distributed as dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from config import parse_args  # noqa: E402
-from launch import init_distributed, run_entry_point  # noqa: E402
-from model import GPTConfig  # noqa: E402
-from train_fsdp import build_model  # noqa: E402
+from fsdp_gpt.config import parse_args  # noqa: E402
+from fsdp_gpt.distributed.launch import init_distributed, run_entry_point  # noqa: E402
+from fsdp_gpt.model import GPTConfig  # noqa: E402
+from fsdp_gpt.distributed.parallelize import build_model  # noqa: E402
 
 TINY = [os.path.join(ROOT, "config", "demo_cpu.yaml"), "--n_layer=2", "--n_head=2", "--n_embd=64",
         "--block_size=32", "--vocab_size=256"]

@@ -69,7 +69,7 @@ class Check:
 
 
 def losses(check: Check, name: str, tag: str = "train/loss") -> dict[int, float]:
-    from metrics import read_scalars
+    from fsdp_gpt.observe.metrics import read_scalars
     return read_scalars(os.path.join(check.run_dir(name), "tb"), tag)
 
 
@@ -252,7 +252,7 @@ def gpu_tests(check: Check) -> str:
     if gpu_count() == 0:
         return "not run: torch sees no GPU"
     if importlib.util.find_spec("pytest") is None:
-        return "not run: pytest is not installed (pip install -r requirements-dev.txt)"
+        return "not run: pytest is not installed (pip install -e .[dev])"
     if check.left() < 60:
         return "not run: the time budget is spent (GPU_CHECK_BUDGET)"
     print("== GPU tests", flush=True)

@@ -20,10 +20,10 @@ sys.path.insert(0, ROOT)
 import numpy  # noqa: E402
 from torch import nn  # noqa: E402
 
-from ckpt_format import load_gpt  # noqa: E402
-from config import exit_code  # noqa: E402
-from mc_eval import accuracies, groups, load_sets, mc_sums, row, truncated  # noqa: E402
-from precision import autocast, compute_dtype, pick_device  # noqa: E402
+from fsdp_gpt.checkpoint.ckpt_format import load_gpt  # noqa: E402
+from fsdp_gpt.config import exit_code  # noqa: E402
+from fsdp_gpt.evaluation.mc_eval import accuracies, groups, load_sets, mc_sums, row, truncated  # noqa: E402
+from fsdp_gpt.distributed.precision import autocast, compute_dtype, pick_device  # noqa: E402
 
 
 def write_items(path: str, n: int, seed: int = 0) -> None:

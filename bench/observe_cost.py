@@ -24,9 +24,9 @@ import torch.distributed as dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from profiling import Profiling  # noqa: E402
-from spikes import SpikeDetector  # noqa: E402
-from step_times import StepTimes  # noqa: E402
+from fsdp_gpt.observe.profiling import Profiling  # noqa: E402
+from fsdp_gpt.observe.spikes import SpikeDetector  # noqa: E402
+from fsdp_gpt.observe.step_times import StepTimes  # noqa: E402
 
 DEMO = os.path.join(ROOT, "config", "demo_cpu.yaml")
 

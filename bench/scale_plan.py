@@ -23,11 +23,11 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from ckpt_format import dim0_shard  # noqa: E402
-from ckpt_index import build_index, files_to_open, model_key, state_key, wanted_rows  # noqa: E402
-from config import UserError, exit_code, parse_args  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
-from muon import is_muon_matrix, newton_schulz_share  # noqa: E402
+from fsdp_gpt.distributed.shards import dim0_shard  # noqa: E402
+from fsdp_gpt.checkpoint.ckpt_index import build_index, files_to_open, model_key, state_key, wanted_rows  # noqa: E402
+from fsdp_gpt.config import UserError, exit_code, parse_args  # noqa: E402
+from fsdp_gpt.model import GPT, GPTConfig  # noqa: E402
+from fsdp_gpt.optim.muon import is_muon_matrix, newton_schulz_share  # noqa: E402
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "auto": 2}  # auto: bf16 on the GPUs this plans for
 ADAMW_MOMENTS = ("exp_avg", "exp_avg_sq")

@@ -24,11 +24,11 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from config import parse_args  # noqa: E402
-from data import prepare_data  # noqa: E402
-from loader import BatchLoader  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
-from muon import newton_schulz_share  # noqa: E402
+from fsdp_gpt.config import parse_args  # noqa: E402
+from fsdp_gpt.data.prepare import prepare_data  # noqa: E402
+from fsdp_gpt.data.loader import BatchLoader  # noqa: E402
+from fsdp_gpt.model import GPT, GPTConfig  # noqa: E402
+from fsdp_gpt.optim.muon import newton_schulz_share  # noqa: E402
 
 DEMO = os.path.join(ROOT, "config", "demo_cpu.yaml")
 WIDTH = 256

@@ -15,8 +15,8 @@ import pytest
 import torch.distributed as dist
 
 import zygote
-from data import prepare_data
-from metrics import read_scalars as scalars, read_texts as texts  # noqa: F401 - the tests' names for them
+from fsdp_gpt.data.prepare import prepare_data
+from fsdp_gpt.observe.metrics import read_scalars as scalars, read_texts as texts  # noqa: F401 - the tests' names for them
 
 # Tests run on the CPU wherever they run: the trainer picks CUDA when it sees a GPU, and a 4-rank
 # test on a 1-GPU machine would die of an invalid device ordinal. Set before anything touches CUDA;
@@ -111,7 +111,7 @@ def run_trainer(run_dir, nproc=1, config=DEMO, timeout=300, check=True, launcher
 
 
 def tool(script: str, *args, env: dict | None = None) -> str:
-    """What a tool (sample.py, evaluate.py, export_hf.py, fsdp_ckpt.py) prints; it must exit 0."""
+    """What a tool (sample.py, evaluate.py, export_hf.py, consolidate.py) prints; it must exit 0."""
     result = launch([os.path.join(ROOT, script), *map(str, args)], ROOT, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout

@@ -6,12 +6,13 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import model as model_module  # noqa: E402
-from config import parse_args  # noqa: E402
-from ckpt_format import FULL_OPTIONS, local_slice  # noqa: E402
+from fsdp_gpt import model as model_module  # noqa: E402
+from fsdp_gpt.config import parse_args  # noqa: E402
+from fsdp_gpt.checkpoint.ckpt_format import FULL_OPTIONS  # noqa: E402
+from fsdp_gpt.distributed.shards import local_slice  # noqa: E402
 from torch.distributed.checkpoint.state_dict import get_model_state_dict  # noqa: E402
-from launch import init_distributed, run_entry_point  # noqa: E402
-from train_fsdp import build_model  # noqa: E402
+from fsdp_gpt.distributed.launch import init_distributed, run_entry_point  # noqa: E402
+from fsdp_gpt.distributed.parallelize import build_model  # noqa: E402
 
 materialised = []  # parameter counts of every whole model this rank initialised
 real_init = model_module.GPT.init_weights

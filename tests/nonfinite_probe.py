@@ -8,10 +8,10 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import model  # noqa: E402
+from fsdp_gpt import model  # noqa: E402
 import train_fsdp  # noqa: E402
-from config import parse_args  # noqa: E402
-from launch import run_entry_point  # noqa: E402
+from fsdp_gpt.config import parse_args  # noqa: E402
+from fsdp_gpt.distributed.launch import run_entry_point  # noqa: E402
 
 STEPS = {int(s) for s in os.environ["NONFINITE_STEPS"].split(",")}
 HERE = int(os.environ.get("RANK", 0)) == int(os.environ["NONFINITE_RANK"])

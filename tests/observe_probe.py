@@ -10,10 +10,10 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import loader  # noqa: E402
+from fsdp_gpt.data import loader  # noqa: E402
 import train_fsdp  # noqa: E402
-from config import parse_args  # noqa: E402
-from launch import run_entry_point  # noqa: E402
+from fsdp_gpt.config import parse_args  # noqa: E402
+from fsdp_gpt.distributed.launch import run_entry_point  # noqa: E402
 
 real_micro_batches = loader.BatchLoader.micro_batches
 LATE = int(os.environ.get("RANK", 0)) == int(os.environ.get("LATE_RANK", -1))

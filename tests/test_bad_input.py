@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import train_fsdp
-from config import exit_code, parse_args
+from fsdp_gpt.config import exit_code, parse_args
 from conftest import DEMO, ROOT, TINY, overrides, run_trainer
 
 
@@ -21,6 +21,21 @@ def assert_one_line_error(result, *phrases):
     assert len(errors) == 1, result.stderr
     for phrase in phrases:
         assert phrase in errors[0], errors[0]
+
+
+def train_in_process(argv, tmp_path, monkeypatch) -> int:
+    monkeypatch.chdir(tmp_path)
+    try:
+        return exit_code(lambda: train_fsdp.train(parse_args(argv)))
+    finally:
+        if dist.is_initialized():  # the failure came after the process group was made
+            dist.destroy_process_group()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the trainer's handler
+
+
+def one_line(code, capsys, *phrases):
+    out = capsys.readouterr()
+    assert_one_line_error(types.SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err), *phrases)
 
 
 @pytest.mark.parametrize("override, phrases", [
@@ -49,16 +64,30 @@ def assert_one_line_error(result, *phrases):
 def test_bad_config(override, phrases, corpus, tmp_path, monkeypatch, capsys):
     """In this process: the trainer's body as its entry point runs it (exit_code); what a separate
     process adds (the exit status itself) the tests below show."""
-    monkeypatch.chdir(tmp_path)
-    argv = [DEMO] + overrides(**(TINY | corpus | override))
-    try:
-        code = exit_code(lambda: train_fsdp.train(parse_args(argv)))
-    finally:
-        if dist.is_initialized():  # the failure came after the process group was made
-            dist.destroy_process_group()
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the trainer's handler
-    out = capsys.readouterr()
-    assert_one_line_error(types.SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err), *phrases)
+    one_line(train_in_process([DEMO] + overrides(**(TINY | corpus | override)), tmp_path, monkeypatch), capsys, *phrases)
+
+
+DATA_DAMAGES = {  # what a damaged data folder holds -> what the one line says
+    "meta.json empty": (lambda d: (d / "meta.json").write_text(""), ["meta.json is not JSON", "prepare the data again"]),
+    "meta.json cut short": (lambda d: (d / "meta.json").write_text('{"tokenizer": "bytes", "dty'), ["meta.json is not JSON"]),
+    "meta.json a list": (lambda d: (d / "meta.json").write_text("[1, 2]"), ["meta.json holds a JSON list, not an object"]),
+    "meta.json without dtype": (lambda d: (d / "meta.json").write_text('{"tokenizer": "bytes"}'), ["meta.json lacks dtype"]),
+    "meta.json of another dtype": (lambda d: (d / "meta.json").write_text('{"tokenizer": "bytes", "dtype": "int8"}'),
+                                   ["dtype 'int8' is not uint16 or uint32"]),
+    "train.bin cut mid-token": (lambda d: open(d / "train.bin", "ab").write(b"x"), ["train.bin holds", "prepare the data again"]),
+}
+
+
+@pytest.mark.parametrize("damage", DATA_DAMAGES)
+def test_a_damaged_data_folder_is_named_in_one_line(damage, corpus, tmp_path, monkeypatch, capsys):
+    data = tmp_path / "data"
+    shutil.copytree(corpus["data_path"], data)
+    spoil, phrases = DATA_DAMAGES[damage]
+    spoil(data)
+    argv = [DEMO] + overrides(**(TINY | dict(data_path=str(data), data_source=None)))
+    one_line(train_in_process(argv, tmp_path, monkeypatch), capsys, str(data), *phrases)
+
+
 
 
 def test_missing_config_file(tmp_path):

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import RUN, TINY, evaluated, run_trainer, scalars
-from model import GPT, GPTConfig
+from fsdp_gpt.model import GPT, GPTConfig
 
 pytestmark = pytest.mark.slow
 

@@ -12,9 +12,9 @@ import time
 import pytest
 import torch
 
-import ckpt_format
-from ckpt_format import save_atomically
-from config import TrainConfig, UserError
+from fsdp_gpt.checkpoint import ckpt_format
+from fsdp_gpt.checkpoint.ckpt_format import save_atomically
+from fsdp_gpt.config import TrainConfig, UserError
 from conftest import (CANONICAL, DEMO, ROOT, RUN, TINY, checkpoint_of, overrides, run_trainer, scalars, tool,
                       trainer_cmd)
 
@@ -74,7 +74,7 @@ def test_one_process_checkpoint_resumes_on_two_ranks(two_rank_runs, corpus, tmp_
 
 def test_consolidated_sharded_equals_full(two_rank_runs, tmp_path):
     out = str(tmp_path / "consolidated.pth")
-    tool("fsdp_ckpt.py", "consolidate", checkpoint_of(two_rank_runs["sharded"], "sharded", 6), out)
+    tool("consolidate.py", checkpoint_of(two_rank_runs["sharded"], "sharded", 6), out)
     full = torch.load(checkpoint_of(two_rank_runs["full"], "full", 6), weights_only=True)
     merged = torch.load(out, weights_only=True)
     assert merged["model"].keys() == full["model"].keys()
@@ -206,7 +206,7 @@ def test_kills_during_saves_leave_every_visible_checkpoint_loadable(corpus, tmp_
 def test_resharded_checkpoint_resumes_bitwise_at_the_original_size(two_rank_runs, corpus, tmp_path):
     """2-rank shards -> consolidated into one full file -> resumed on 2 ranks: bitwise."""
     out = str(tmp_path / "fsdp_cpt3.pth")
-    tool("fsdp_ckpt.py", "consolidate", checkpoint_of(two_rank_runs["sharded"], "sharded", 3), out)
+    tool("consolidate.py", checkpoint_of(two_rank_runs["sharded"], "sharded", 3), out)
     got = resumed_losses(tmp_path, out, **corpus)
     expected = scalars(os.path.join(two_rank_runs["sharded"], "tb"), "train/loss")
     assert sorted(got) == [4, 5, 6] and all(got[s] == expected[s] for s in got)

@@ -4,9 +4,10 @@ import sys
 
 import pytest
 
-from ckpt_format import CorruptCheckpoint, dim0_shard
-from ckpt_index import build_index, check_whole, files_to_open
-from config import parse_args
+from fsdp_gpt.checkpoint.ckpt_format import CorruptCheckpoint
+from fsdp_gpt.distributed.shards import dim0_shard
+from fsdp_gpt.checkpoint.ckpt_index import build_index, check_whole, files_to_open
+from fsdp_gpt.config import parse_args
 from conftest import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))

@@ -1,7 +1,7 @@
 """Config: defaults < YAML < --key=value, values read as a user means them."""
 import pytest
 
-from config import TrainConfig, UserError, parse_args
+from fsdp_gpt.config import TrainConfig, UserError, parse_args
 from conftest import DEMO
 
 
@@ -37,8 +37,8 @@ def test_rejected(argv, message):
 
 
 def test_every_key_has_a_meaning_and_help_lists_them_all():
-    import config
-    import config_help
+    from fsdp_gpt import config
+    from fsdp_gpt import config_help
     for f in config.FIELDS.values():
         assert len(f.metadata.get("meaning", "")) > 10, f"config key '{f.name}' has no meaning: give it one with key()"
     text = config_help.help_text()
@@ -50,7 +50,7 @@ def test_every_key_has_a_meaning_and_help_lists_them_all():
 
 def test_docs_config_page_is_the_generated_table():
     import os
-    import config_help
+    from fsdp_gpt import config_help
     from conftest import ROOT
     with open(os.path.join(ROOT, "docs", "config.md")) as f:
         page = f.read()

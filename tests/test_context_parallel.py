@@ -6,7 +6,7 @@ import re
 import pytest
 
 from conftest import DEMO, RUN, checkpoint_of, run_trainer, scalars
-from config import UserError, parse_args
+from fsdp_gpt.config import UserError, parse_args
 
 TAGS = ("train/loss", "train/grad_norm", "val/loss")
 

@@ -98,8 +98,8 @@ def test_llama3_rope_scaling_gives_transformers_logits_past_the_original_context
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from hf_format import hf_config, read_hf_folder
-    from model import GPT, GPTConfig
+    from fsdp_gpt.hf_format import hf_config, read_hf_folder
+    from fsdp_gpt.model import GPT, GPTConfig
     scaling = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                    original_max_position_embeddings=32)
     config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -122,7 +122,7 @@ def test_llama3_rope_scaling_gives_transformers_logits_past_the_original_context
     assert hf_config(cfg, 0)["rope_scaling"] == scaling
     config.rope_scaling = dict(scaling, rope_type="yarn")
     config.save_pretrained(tmp_path)
-    from config import UserError
+    from fsdp_gpt.config import UserError
     with pytest.raises(UserError, match=r"RoPE scaling of type 'yarn' is not built here \(only llama3"):
         read_hf_folder(str(tmp_path))
 
@@ -136,10 +136,10 @@ def test_end_to_end_prepare_continue_on_two_ranks_export_and_evaluate(folder, re
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from conftest import evaluated
-    from data import prepare_data
-    from evaluate import val_loss_sums
-    from loader import BatchLoader
-    from tokenizer import HFTokenizer
+    from fsdp_gpt.data.prepare import prepare_data
+    from fsdp_gpt.evaluation.val_loss import val_loss_sums
+    from fsdp_gpt.data.loader import BatchLoader
+    from fsdp_gpt.data.tokenizer import HFTokenizer
     folder = request.getfixturevalue(folder)
     write_docs(tmp_path / "docs.jsonl", n=200)
     tool("data.py", "prepare", tmp_path / "prepared", tmp_path / "docs.jsonl", f"--tokenizer={folder}", "--workers=2")
@@ -167,8 +167,8 @@ def test_end_to_end_prepare_continue_on_two_ranks_export_and_evaluate(folder, re
 def test_a_folder_of_another_architecture_is_named(tmp_path):
     import json
 
-    from config import UserError
-    from hf_format import hf_model_keys
+    from fsdp_gpt.config import UserError
+    from fsdp_gpt.hf_format import hf_model_keys
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["MistralForCausalLM"], "hidden_size": 64}))
     with pytest.raises(UserError, match=rf"init_from: {tmp_path}/ holds a MistralForCausalLM; this trainer starts "
                                         rf"from GPT2LMHeadModel, LlamaForCausalLM, Qwen3ForCausalLM"):

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-import data
-from config import UserError
+from fsdp_gpt.data import prepare as data
+from fsdp_gpt.config import UserError
 from conftest import ROOT, run_trainer
-from loader import BatchLoader
-from tokenizer import get_tokenizer
+from fsdp_gpt.data.loader import BatchLoader
+from fsdp_gpt.data.tokenizer import get_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +111,7 @@ def test_a_killed_preparation_run_again_gives_the_same_bytes(documents, tmp_path
         time.sleep(0.01)
     os.killpg(killed.pid, signal.SIGKILL)  # the preparer and its workers, part-way
     killed.wait()
-    assert partial.stat().st_size > 0 and not data._is_prepared(str(tmp_path / "d"))
+    assert partial.stat().st_size > 0 and not data.is_prepared(str(tmp_path / "d"))
     assert prepare(tmp_path / "d", source).returncode == 0
     assert prepare(tmp_path / "whole", source, workers=1).returncode == 0
     assert token_files(tmp_path / "d") == token_files(tmp_path / "whole")

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-import data
+from fsdp_gpt.data import prepare as data
 from conftest import ROOT
-from loader import BatchLoader
-from config import UserError
-from tokenizer import get_tokenizer
+from fsdp_gpt.data.loader import BatchLoader
+from fsdp_gpt.config import UserError
+from fsdp_gpt.data.tokenizer import get_tokenizer
 
 
 def write_corpus(folder, n_docs=40):
@@ -46,7 +46,7 @@ def test_jsonl_and_uint32_for_large_vocabularies(tmp_path):
 
 def test_concurrent_preparation_prepares_once(tmp_path):
     source = write_corpus(tmp_path / "src", n_docs=400)
-    code = f"import sys; sys.path.insert(0, {ROOT!r}); import data; data.prepare_data({str(tmp_path / 'd')!r}, {str(source)!r}, 'bytes')"
+    code = f"import sys; sys.path.insert(0, {ROOT!r}); from fsdp_gpt.data.prepare import prepare_data; prepare_data({str(tmp_path / 'd')!r}, {str(source)!r}, 'bytes')"
     procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True) for _ in range(4)]
     outputs = [p.communicate(timeout=120)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs)
@@ -118,7 +118,7 @@ def test_one_ahead_loading_yields_the_same_batches_and_reads_each_once(tmp_path)
 
 
 def test_document_starts_and_the_tokens_cropping_drops():
-    from loader import TokenStream, document_starts, never_read
+    from fsdp_gpt.data.loader import TokenStream, document_starts, never_read
     # two files read as one stream: separators (0) at offsets 2, 9 and 12; a row of block_size 2 needs 3 tokens
     stream = TokenStream([np.array([1, 1, 0, 1, 1, 1, 1, 1, 1]), np.array([0, 1, 1, 0, 1])])
     starts = document_starts(stream, 0, 2)
@@ -130,7 +130,7 @@ def test_document_starts_and_the_tokens_cropping_drops():
 
 @pytest.mark.parametrize("mixture", [False, True])
 def test_aligned_rows_start_at_documents_and_depend_on_seed_and_step_alone(mixture, tmp_path):
-    from mixture import Segment
+    from fsdp_gpt.data.mixture import Segment
     meta = data.prepare_data(str(tmp_path / "d"), str(write_corpus(tmp_path / "src")), "bytes")
     sources = {"a": (str(tmp_path / "d"), meta)} | ({"b": (str(tmp_path / "d"), meta)} if mixture else {})
     segment = Segment(0, {"a": 0.5, "b": 0.5}, {}) if mixture else None

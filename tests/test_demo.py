@@ -30,9 +30,11 @@ def test_demo_trains_and_val_loss_falls(tmp_path):
     assert sorted(samples) == sorted(val)
     assert len(samples[200].strip()) > 20 and samples[200] != samples[0]
     # progress: one line per log interval (25 steps), each with a finite ETA that shrinks to zero
-    progress = re.findall(r"^step (\d+)/200 \| loss [\d.]+ \| lr \S+ \| [\d,]+ tok/s \| MFU [\d.]+% "
+    progress = re.findall(r"^step (\d+)/200 \| loss [\d.]+ \| lr \S+ \| [\d,]+ tok/s \| MFU ([\d.]+)% "
                           r"\| mem [\d.]+ GB \| ETA (\d+)m(\d\d)s$", result.stdout, re.MULTILINE)
-    assert [int(step) for step, _, _ in progress] == list(range(25, 201, 25))
-    eta = [60 * int(m) + int(s) for _, m, s in progress]
+    assert [int(step) for step, _, _, _ in progress] == list(range(25, 201, 25))
+    assert all(0 < float(mfu) <= 100 for _, mfu, _, _ in progress)
+    assert result.stdout.count("note: MFU on the CPU is an estimate") == 1  # said once, at start-up
+    eta = [60 * int(m) + int(s) for _, _, m, s in progress]
     assert eta[0] > eta[len(eta) // 2] > eta[-1] == 0, eta
     assert result.stdout.rstrip().endswith("done: last checkpoint checkpoints/fsdp_cpt200.pth, TensorBoard logs in tensorboard/demo_cpu/")

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from conftest import ROOT, RUN, run_trainer, scalars, shared
-from data import prepare_data
-from model import GPT, GPTConfig
+from fsdp_gpt.data.prepare import prepare_data
+from fsdp_gpt.model import GPT, GPTConfig
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 from short_docs import main as write_short_docs  # noqa: E402

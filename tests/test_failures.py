@@ -11,9 +11,9 @@ import time
 import pytest
 import torch
 
-import run_lock
+from fsdp_gpt.checkpoint import run_lock
 from conftest import DEMO, ROOT, RUN, TINY, free_port, overrides, run_trainer, scalars
-from config import UserError
+from fsdp_gpt.config import UserError
 
 PROBE = os.path.join(ROOT, "tests", "hang_probe.py")
 
@@ -179,8 +179,8 @@ def test_a_full_disk_during_a_save_keeps_training_and_loses_nothing_saved(kind, 
 
 def test_the_os_reason_of_a_failed_write_is_named(tmp_path):
     """A file size limit (EFBIG) stands for quotas and I/O errors: the OS's reason, no temp file."""
-    import ckpt_format
-    code = (f"import resource, sys, torch; sys.path.insert(0, {ROOT!r}); import ckpt_format\n"
+    from fsdp_gpt.checkpoint import ckpt_format
+    code = (f"import resource, sys, torch; sys.path.insert(0, {ROOT!r}); from fsdp_gpt.checkpoint import ckpt_format\n"
             f"resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))\n"
             f"ckpt_format.save_atomically({{'w': torch.zeros(100_000)}}, {str(tmp_path / 'fsdp_cpt1.pth')!r})")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -77,8 +77,8 @@ def test_compiled_blocks_train_as_eager_ones(gpu_env, corpus, tmp_path):
 LOADER_CHECK = """
 import sys, torch
 sys.path.insert(0, {root!r})
-from data import prepare_data
-from loader import BatchLoader
+from fsdp_gpt.data.prepare import prepare_data
+from fsdp_gpt.data.loader import BatchLoader
 meta = prepare_data({path!r}, None, "bytes")
 gpu, cpu = (BatchLoader({{"data": ({path!r}, meta)}}, 32, 8, 2, 0, 1, 7, torch.device(d)) for d in ("cuda", "cpu"))
 assert gpu.one_ahead

@@ -14,21 +14,21 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.utils._pytree import tree_leaves
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import launch
-import metrics
-import model as model_module
-import muon
-import precision
+from fsdp_gpt.distributed import launch
+from fsdp_gpt.observe import peak_flops
+from fsdp_gpt import model as model_module
+from fsdp_gpt.optim import muon
+from fsdp_gpt.distributed import precision
 import train_fsdp
-from config import parse_args
+from fsdp_gpt.config import parse_args
 from conftest import DEMO, ROOT, trainer_cmd
-from data import prepare_data
-from evaluate import val_loss_sums
-from fsdp_ckpt import _placed, sharded_state
-from launch import Topology, backend_for, wrapping
-from loader import BatchLoader
-from mc_eval import Item, mc_sums
-from model import GPT, GPTConfig
+from fsdp_gpt.data.prepare import prepare_data
+from fsdp_gpt.evaluation.val_loss import val_loss_sums
+from fsdp_gpt.checkpoint.fsdp_ckpt import _placed, sharded_state
+from fsdp_gpt.distributed.launch import Topology, backend_for, wrapping
+from fsdp_gpt.data.loader import BatchLoader
+from fsdp_gpt.evaluation.mc_eval import Item, mc_sums
+from fsdp_gpt.model import GPT, GPTConfig
 
 
 def test_every_tensor_written_is_a_host_copy():
@@ -112,7 +112,7 @@ def test_rope_tables_reach_every_block_in_fp32_under_fsdp(one_process_group):
 def test_val_loss_and_samples_compute_in_the_training_dtype(wrap, one_process_group, corpus):
     """Evaluation and text samples run in the context training's forwards run in: bf16 matmuls in
     every wrapping (unwrapped and DDP ran them in fp32 before)."""
-    from tokenizer import ByteTokenizer
+    from fsdp_gpt.data.tokenizer import ByteTokenizer
     model, cfg, topo = built(wrap, "--sample_tokens=4")
     gpt = getattr(model, "module", model)
     seen = []
@@ -159,8 +159,8 @@ def test_mfu_peak_by_exact_gpu_name_and_compute_dtype(name, bf16, fp32, monkeypa
     """dtype: fp32 is measured against the TF32 peak (plain FP32 on V100 and T4), not bf16's."""
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
     cuda = torch.device("cuda", 0)
-    assert metrics.device_peak_flops(cuda, torch.bfloat16) == metrics.device_peak_flops(cuda, torch.float16) == bf16
-    assert metrics.device_peak_flops(cuda, torch.float32) == fp32
+    assert peak_flops.gpu_peak_flops(cuda, torch.bfloat16) == peak_flops.gpu_peak_flops(cuda, torch.float16) == bf16
+    assert peak_flops.gpu_peak_flops(cuda, torch.float32) == fp32
 
 
 def test_nccl_is_bound_to_its_gpu_unless_gloo_shares_the_group():

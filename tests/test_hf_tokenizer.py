@@ -10,10 +10,10 @@ import sysconfig
 import numpy as np
 import pytest
 
-import data
-from config import UserError
+from fsdp_gpt.data import prepare as data
+from fsdp_gpt.config import UserError
 from conftest import ROOT
-from tokenizer import HFTokenizer, get_tokenizer
+from fsdp_gpt.data.tokenizer import HFTokenizer, get_tokenizer
 
 STDLIB = sysconfig.get_paths()["stdlib"]
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from conftest import TINY, checkpoint_of, evaluated, launcher_once, run_trainer, scalars, tool
-from hf_format import hf_config, read_hf_folder, to_hf
-from model import GPT, GPTConfig
+from fsdp_gpt.hf_format import hf_config, read_hf_folder, to_hf
+from fsdp_gpt.model import GPT, GPTConfig
 
 # GQA (4 query heads share 2 key/value heads), qk_norm (exports as Qwen3), untied head
 LLAMA = dict(arch="llama", n_head=4, n_kv_head=2, qk_norm=True)
@@ -59,7 +59,7 @@ def test_transformers_computes_the_same_logits_and_the_folder_reads_back(options
     (dict(arch="gpt2", value_embeds=1), "value_embeds: 1: GPT2LMHeadModel has no value embeddings"),
 ])
 def test_what_hugging_face_cannot_express_is_refused_naming_the_key(options, key):
-    from config import UserError
+    from fsdp_gpt.config import UserError
     with pytest.raises(UserError, match=re.escape(key)):
         hf_config(GPTConfig(vocab_size=256, block_size=32, n_layer=1, n_head=4, n_embd=64, **options), eot=0)
 
@@ -125,9 +125,9 @@ def test_export_evaluate_sample_and_init_from(runs, corpus, tmp_path):
     folder (init_from) begins at the same val loss."""
     from transformers import AutoModelForCausalLM
 
-    from data import prepare_data
-    from evaluate import val_loss_sums
-    from loader import BatchLoader
+    from fsdp_gpt.data.prepare import prepare_data
+    from fsdp_gpt.evaluation.val_loss import val_loss_sums
+    from fsdp_gpt.data.loader import BatchLoader
 
     nproc, settings = LAYOUTS["HYBRID_SHARD"]
     checkpoint = checkpoint_of(runs("HYBRID_SHARD", nproc, **settings), "full", STEPS)
@@ -162,8 +162,8 @@ def test_init_from_refuses_a_folder_of_another_shape(corpus, tmp_path):
 
 def test_checkpoints_written_before_arch_existed_still_load():
     """Their model_config has only GPT-2's keys: the missing ones read as the GPT-2 layout."""
-    from ckpt_format import check_model_shape
-    from config import TrainConfig, UserError, validate
+    from fsdp_gpt.checkpoint.ckpt_format import check_model_shape
+    from fsdp_gpt.config import TrainConfig, UserError, validate
 
     old = dict(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=64, bias=True, dropout=0.0)
     gpt2 = TrainConfig(**{k: v for k, v in old.items()})
@@ -212,7 +212,7 @@ def hf_folder(tmp_path_factory):
 
 @pytest.mark.parametrize("damage", DAMAGES)
 def test_a_malformed_folder_is_named_in_one_line(damage, hf_folder, tmp_path):
-    from config import UserError
+    from fsdp_gpt.config import UserError
     import shutil
     folder = tmp_path / "hf"
     shutil.copytree(hf_folder, folder)

@@ -6,10 +6,10 @@ import os
 import pytest
 import torch
 
-import schedule
-from config import TrainConfig, parse_args
+from fsdp_gpt.optim import schedule
+from fsdp_gpt.config import TrainConfig, parse_args
 from conftest import DEMO, ROOT, RUN, TINY, checkpoint_of, evaluated, launcher_once, run_trainer, scalars, shared, tool
-from data import prepare_data
+from fsdp_gpt.data.prepare import prepare_data
 
 STDLIB = os.path.dirname(os.__file__)
 
@@ -162,10 +162,10 @@ def test_too_many_non_finite_steps_in_a_row_stop_every_rank(corpus, tmp_path):
 
 
 def test_a_state_with_a_non_finite_value_is_never_saved(one_process_group, tmp_path):
-    from config import RunStopped
-    from fsdp_ckpt import CheckpointManager
-    from launch import Topology
-    from model import GPT, GPTConfig
+    from fsdp_gpt.config import RunStopped
+    from fsdp_gpt.checkpoint.fsdp_ckpt import CheckpointManager
+    from fsdp_gpt.distributed.launch import Topology
+    from fsdp_gpt.model import GPT, GPTConfig
     cfg = parse_args([DEMO, f"--checkpoint_dir={tmp_path}"])
     model = GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=16))
     optimizer = torch.optim.AdamW(model.parameters())

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from config import UserError
+from fsdp_gpt.config import UserError
 from conftest import ROOT, checkpoint_of, launch, launcher_once, scalars, shared, tool
-from tokenizer import get_tokenizer
-from mc_eval import Item, accuracies, mc_sums, read_items, read_llmc, row, score_group, truncated
-from model import GPT, GPTConfig
+from fsdp_gpt.data.tokenizer import get_tokenizer
+from fsdp_gpt.evaluation.mc_eval import Item, accuracies, mc_sums, read_items, read_llmc, row, score_group, truncated
+from fsdp_gpt.model import GPT, GPTConfig
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 from mc_cost import write_items  # noqa: E402
@@ -181,7 +181,7 @@ def test_transformers_scores_every_choice_of_the_exported_model_alike(name, kind
     """An independent computation: each row through transformers alone, no padding, no batching."""
     from transformers import AutoModelForCausalLM
 
-    from ckpt_format import load_gpt
+    from fsdp_gpt.checkpoint.ckpt_format import load_gpt
     items_path, run = mc_runs
     checkpoint = checkpoint_of(run(name), kind, 4)
     tool("export_hf.py", checkpoint, tmp_path / "hf")

@@ -5,11 +5,11 @@ import numpy as np
 import pytest
 import torch
 
-import data
-from config import UserError, parse_args
+from fsdp_gpt.data import prepare as data
+from fsdp_gpt.config import UserError, parse_args
 from conftest import DEMO
-from loader import BatchLoader
-from mixture import Mixture, Segment, cycle, resumed_segment, shuffled
+from fsdp_gpt.data.loader import BatchLoader
+from fsdp_gpt.data.mixture import Mixture, Segment, cycle, resumed_segment, shuffled
 
 
 @pytest.mark.parametrize("size", [1, 2, 7, 64, 1000, 1025, 4097])

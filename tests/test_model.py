@@ -3,7 +3,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from model import GPT, GPTConfig
+from fsdp_gpt.model import GPT, GPTConfig
 
 
 def test_forward_shapes_tying_and_initial_loss():

@@ -6,10 +6,10 @@ import sys
 import pytest
 import torch
 
-import ckpt_format
-from config import TrainConfig
+from fsdp_gpt.checkpoint import ckpt_format
+from fsdp_gpt.config import TrainConfig
 from conftest import ROOT, checkpoint_of, launch, launcher_once, run_trainer, scalars
-from muon import MuonWithAdamW, orthogonalise, rms_matching_scale
+from fsdp_gpt.optim.muon import MuonWithAdamW, orthogonalise, rms_matching_scale
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 from scale_plan import Plan  # noqa: E402

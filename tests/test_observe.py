@@ -3,13 +3,18 @@
 import json
 import os
 import struct
+import subprocess
+import sys
+import time
+import types
 
 import pytest
 import torch
 
 from conftest import ROOT, run_trainer, scalars
-from metrics import scalar_tags
-from spikes import SpikeDetector
+from fsdp_gpt.observe import metrics, peak_flops
+from fsdp_gpt.observe.metrics import scalar_tags
+from fsdp_gpt.observe.spikes import SpikeDetector
 
 PROBE = os.path.join(ROOT, "tests", "observe_probe.py")
 
@@ -89,6 +94,35 @@ def test_the_spike_window_resumes_as_it_was():
     assert off.since_last_log() == [] and off.total() == 0
 
 
+def busy(seconds: float) -> subprocess.Popen:
+    """A process that keeps one core busy for `seconds` (another program installing packages)."""
+    return subprocess.Popen([sys.executable, "-c", f"import time\nend = time.time() + {seconds}\nwhile time.time() < end: pass"])
+
+
+def test_mfu_peak_holds_under_load(tmp_path, monkeypatch, capsys):
+    """A CPU's peak taken while every core is busy is no lower than what a matmul reaches once they
+    are free again; and where only a timed figure exists, the run's own FLOP/s cap MFU at 100%."""
+    loads = [busy(4.0) for _ in range(os.cpu_count() or 1)]
+    time.sleep(0.5)  # the loads running before the measurement starts
+    under_load, how = peak_flops.cpu_peak_flops()
+    for load in loads:
+        load.wait()
+    quiet = max(peak_flops.timed_matmul_flops() for _ in range(3))
+    assert under_load >= quiet, (under_load, quiet, how)
+
+    monkeypatch.setattr(peak_flops, "vector_peak_flops", lambda threads: None)  # a CPU that names no width or clock
+    monkeypatch.setattr(peak_flops, "timed_matmul_flops", lambda: 1e3)  # a measurement a busy moment undercut
+    cfg = types.SimpleNamespace(max_iters=10, straggler_ratio=1.2, spike_skip=False, tensorboard_dir=str(tmp_path))
+    log = metrics.ProgressLog(True, cfg, tokens_per_step=1000, flops_per_token=1000, device=torch.device("cpu"),
+                              dtype=torch.float32, world_size=1)
+    assert "note: MFU on the CPU is an estimate, against 0 GFLOP/s per rank" in capsys.readouterr().out
+    log.start(0)
+    memory = [0.1] * len(metrics.MEMORY_COLUMNS)  # one rank's GB, then its data, compute and wait seconds
+    log.train(1, 2.0, 1e-3, 1.0, torch.tensor([memory + [0.0, 1.0, 0.0]]), 0, {}, [], 0)
+    log.close(torch.tensor([memory]))
+    assert scalars(str(tmp_path), "perf/mfu") == {1: 1.0}
+
+
 def wandb_history(run_folder: str) -> tuple[str, dict[int, dict]]:
     """The run id and {step: scalars} of an offline wandb run's .wandb file (LevelDB-style records of
     wandb's protobufs: 32 KiB blocks, each record a 7-byte header, checksum, length and type)."""
@@ -118,7 +152,7 @@ def wandb_history(run_folder: str) -> tuple[str, dict[int, dict]]:
 
 @pytest.mark.slow
 def test_wandb_logs_tensorboards_scalars_and_a_resumed_run_continues_it(corpus, tmp_path):
-    env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DIR": "", "WANDB_RUN_ID": ""}  # none of the user's
     settings = dict(wandb_project="fsdp-gpt-test", wandb_name="tiny", max_iters=4, save_interval=2, **corpus)
     run_trainer(str(tmp_path), nproc=2, env=env, **settings)
     run_trainer(str(tmp_path), env=env, **settings | dict(max_iters=6, resume_from="latest"))
@@ -134,6 +168,17 @@ def test_wandb_logs_tensorboards_scalars_and_a_resumed_run_continues_it(corpus, 
         tensorboard = scalars(str(tmp_path / "tb"), tag)
         assert {step: logged[step][tag] for step in tensorboard} == pytest.approx(tensorboard), tag
     assert set(second) == {5, 6}
+
+
+@pytest.mark.slow
+def test_wandb_keeps_the_users_own_folder_and_run_id(corpus, tmp_path):
+    """WANDB_DIR and WANDB_RUN_ID, where set, hold: nothing of wandb's beside TensorBoard's."""
+    scratch = tmp_path / "scratch"
+    env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DIR": str(scratch), "WANDB_RUN_ID": "mine42"}
+    run_trainer(str(tmp_path), env=env, wandb_project="fsdp-gpt-test", max_iters=2, **corpus)
+    [folder] = [name for name in os.listdir(scratch / "wandb") if name.startswith("offline-run-")]
+    assert folder.endswith("-mine42") and wandb_history(str(scratch / "wandb" / folder))[0] == "mine42"
+    assert not (tmp_path / "tb" / "wandb").exists()
 
 
 def test_wandb_missing_is_one_line(corpus, tmp_path):

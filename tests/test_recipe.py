@@ -4,9 +4,9 @@ import os
 
 import pytest
 
-from config import parse_args
+from fsdp_gpt.config import parse_args
 from conftest import DEMO, ROOT, RUN, checkpoint_of, launcher_once, run_trainer, scalars
-from model import GPT, GPTConfig
+from fsdp_gpt.model import GPT, GPTConfig
 
 
 @pytest.fixture(scope="module")

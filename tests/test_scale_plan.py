@@ -6,8 +6,8 @@ import sys
 import pytest
 import torch
 
-import ckpt_format
-from config import TrainConfig, exit_code
+from fsdp_gpt.checkpoint import ckpt_format
+from fsdp_gpt.config import TrainConfig, exit_code
 from conftest import ROOT, checkpoint_of, scalars
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))

@@ -31,7 +31,7 @@ def test_exported_model_loads_in_transformers_with_the_same_logits(two_rank_runs
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from ckpt_format import load_gpt
+    from fsdp_gpt.checkpoint.ckpt_format import load_gpt
 
     exports = {}
     for kind in ("full", "sharded"):
@@ -60,7 +60,7 @@ def test_exported_tokenizers_encode_as_the_runs(tmp_path):
 
     from export_hf import save_tokenizer
     from test_hf_tokenizer import make_tokenizer
-    from tokenizer import get_tokenizer
+    from fsdp_gpt.data.tokenizer import get_tokenizer
 
     text = open(os.path.join(ROOT, "README.md")).read() + " héllo 12345 <|endoftext|> 日本語 😀\n\n\tx  \n "
     for name in ("cl100k_base", "bytes", make_tokenizer(tmp_path / "hf_tokenizer")):

@@ -1,0 +1,317 @@
+"""Checkpoint files: names, atomic writes, checksums, sharded pieces, and offline readers.
+
+Full:    fsdp_cpt{step}.pth, written by rank 0: plain tensors that model.GPT loads as they are.
+Sharded: fsdp_sharded_cpt{step}_rank{r}.pth, one per rank: each parameter's and optimizer
+         moment's dim-0 slice with its global shape and offset (a replicated slice written by
+         one replica only), so any world size and strategy can reassemble its own slices;
+         fsdp_sharded_cpt{step}.complete marks the set complete once every rank has written,
+         and indexes which file holds which rows (ckpt_index.py).
+
+Nothing here needs a process group: sample.py, export_hf.py and consolidation read sets offline.
+"""
+import errno
+import os
+import re
+import shutil
+import zlib
+
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_leaves
+
+from fsdp_gpt.config import MODEL_SHAPE_KEYS, UserError
+from fsdp_gpt.distributed.shards import local_slice
+from fsdp_gpt.model import GPT, GPTConfig
+
+FULL_RE = re.compile(r"fsdp_cpt(\d+)\.pth$")
+SHARD_RE = re.compile(r"fsdp_sharded_cpt(\d+)_rank(\d+|\{rank\})\.pth$")
+MARKER_RE = re.compile(r"fsdp_sharded_cpt(\d+)\.complete$")
+FULL_OPTIONS = StateDictOptions(full_state_dict=True, cpu_offload=True)
+LOAD_OPTIONS = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+
+
+def full_path(directory: str, step: int) -> str:
+    return os.path.join(directory, f"fsdp_cpt{step}.pth")
+
+
+def shard_path(directory: str, step: int, rank: int) -> str:
+    return os.path.join(directory, f"fsdp_sharded_cpt{step}_rank{rank}.pth")
+
+
+def marker_path(directory: str, step: int) -> str:
+    return os.path.join(directory, f"fsdp_sharded_cpt{step}.complete")
+
+
+class CorruptCheckpoint(UserError):
+    """A checkpoint that is damaged or incomplete (as opposed to one that doesn't fit)."""
+
+
+def _crc32(obj) -> int:
+    """Checksum of every tensor's bytes and every other value: torch.load notices a truncated
+    file, but not flipped bytes inside tensor data."""
+    crc = 0
+    for leaf in tree_leaves(obj):
+        if isinstance(leaf, torch.Tensor):
+            data = leaf.detach().reshape(-1).contiguous().view(torch.uint8).numpy()
+        else:
+            data = repr(leaf).encode()
+        crc = zlib.crc32(data, crc)
+    return crc
+
+
+class WriteFailed(UserError):
+    """A checkpoint file that could not be written (no space, quota, file too large, I/O error)."""
+
+
+class _WriteThrough:
+    """What torch.save writes into: every byte goes straight to the OS, and the OS's refusal is
+    kept, since torch's zip writer reports it only as an "unexpected pos"."""
+
+    def __init__(self, fd: int):
+        self.fd, self.error = fd, None
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        try:
+            while view:
+                view = view[os.write(self.fd, view):]
+        except OSError as e:
+            self.error = e
+            raise
+        return len(data)
+
+    def flush(self) -> None:
+        pass
+
+
+def _megabytes(n: int) -> str:
+    return f"{n / 1e6:,.1f} MB"
+
+
+def _write_failure(path: str, error: BaseException, obj: dict) -> str:
+    """One line: the file, the OS's reason, and for a full disk the bytes needed and free."""
+    if isinstance(error, OSError) and error.errno:
+        reason = f"{os.strerror(error.errno)} (errno {error.errno})"
+        if error.errno == errno.ENOSPC:
+            needed = sum(t.numel() * t.element_size() for t in tree_leaves(obj) if isinstance(t, torch.Tensor))
+            reason += (f": it needs about {_megabytes(needed)}, "
+                       f"{_megabytes(shutil.disk_usage(os.path.dirname(path) or '.').free)} free there")
+    else:
+        reason = str(error).splitlines()[0][:160] if str(error) else type(error).__name__
+    return f"writing checkpoint {path} failed: {reason}"
+
+
+def save_atomically(obj: dict, path: str) -> None:
+    """Temp file, fsync, rename: the final name only ever holds a complete file. A failed write
+    removes its temp file and raises WriteFailed naming the file and the OS's reason."""
+    tmp = f"{path}.tmp"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    except OSError as e:  # no room even for the name, a quota on files, a read-only filesystem
+        raise WriteFailed(_write_failure(path, e, obj)) from None
+    out = _WriteThrough(fd)
+    try:
+        torch.save(obj | {"crc32": _crc32(obj)}, out)
+        os.fsync(fd)
+    except Exception as e:  # noqa: BLE001 - torch's writer or the OS: reported with the OS's reason
+        os.close(fd)
+        os.remove(tmp)
+        raise WriteFailed(_write_failure(path, out.error or e, obj)) from None
+    os.close(fd)
+    os.replace(tmp, path)
+    dir_fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # make the rename itself durable
+    finally:
+        os.close(dir_fd)
+
+
+def read_verified(path: str, mmap: bool = False) -> dict:
+    """torch.load(weights_only=True), then the checksum written with the file."""
+    if not os.path.isfile(path):
+        raise CorruptCheckpoint(f"checkpoint file not found: {path}")
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except OSError as e:  # the filesystem failed, not the file: an error, never "damaged, skip it"
+        raise UserError(f"could not read checkpoint {path}: {e}; check the filesystem and run again")
+    except Exception as e:  # torch raises RuntimeError, UnpicklingError, EOFError... for damaged files
+        raise CorruptCheckpoint(f"checkpoint {path} is corrupt or truncated ({str(e).splitlines()[0][:120]}); "
+                        f"resume from an earlier checkpoint")
+    if not isinstance(obj, dict) or obj.pop("crc32", None) != _crc32(obj):
+        raise CorruptCheckpoint(f"checkpoint {path} is corrupt: its checksum does not match its contents; "
+                        f"resume from an earlier checkpoint")
+    return obj
+
+
+def load_file(path: str, mmap: bool = False) -> dict:
+    obj = read_verified(path, mmap)
+    if not {"model", "optimizer", "step", "model_config"} <= obj.keys():
+        raise CorruptCheckpoint(f"{path} is not a checkpoint of this trainer (needs model, optimizer, step, model_config)")
+    return obj
+
+
+# a Llama-layout run may change its context on resume (a long-context phase): RoPE holds no weights
+# per position, so the same weights run at any block_size, with another base or scaling
+CONTEXT_KEYS = ("block_size", "rope_theta", "rope_scaling")
+
+
+def check_model_shape(source: str, saved: dict, cfg, action: str = "resume it") -> dict[str, tuple]:
+    """The model the config builds must be the one `source` holds (keys a checkpoint lacks,
+    written before they existed, take GPTConfig's defaults: the GPT-2 layout), but for the Llama
+    layout's CONTEXT_KEYS: their changes are returned, {key: (saved, configured)}."""
+    theirs, ours = GPTConfig(**saved), GPTConfig(**cfg.model_shape)
+    changes = {}
+    for key in MODEL_SHAPE_KEYS:
+        was, now = getattr(theirs, key), getattr(ours, key)
+        if was == now:
+            continue
+        if key in CONTEXT_KEYS and theirs.arch == ours.arch == "llama":
+            changes[key] = (was, now)
+            continue
+        why = " (GPT-2's learned positions have block_size rows: only the llama layout's context can change)" \
+            if key == "block_size" else ""
+        raise UserError(f"{source} has {key}={was} but the config has {key}={now}: set --{key}={was} to "
+                        f"{action}{why}")
+    return changes
+
+
+def host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A host copy that owns its bytes: what is written never aliases a training tensor, and
+    device tensors (a fused optimizer's `step` lives on the GPU) leave the device first."""
+    return t.detach().to("cpu", copy=True)
+
+
+def is_first_replica(t: torch.Tensor, rank: int) -> bool:
+    """Replicas (HYBRID_SHARD's replica groups, NO_SHARD, DDP) hold the same slice: the one at
+    coordinate 0 of every replicated mesh dim (for a plain tensor, rank 0) writes its rows, and
+    on resume reads them for the others."""
+    if not isinstance(t, DTensor):
+        return rank == 0
+    return all(t.device_mesh.get_local_rank(d) == 0 for d, p in enumerate(t.placements) if p.is_replicate())
+
+
+def piece_of(t: torch.Tensor, rank: int) -> dict:
+    local, offset = local_slice(t)
+    return {"shape": list(t.shape), "offset": offset, "data": host_copy(local if is_first_replica(t, rank) else local[:0])}
+
+
+def _slices(pieces: list[dict], offset: int, rows: int) -> list[torch.Tensor]:
+    """Views of the saved slices that make up rows [offset, offset + rows) of a tensor."""
+    parts, cursor = [], offset
+    for piece in sorted(pieces, key=lambda p: p["offset"]):
+        start, data = piece["offset"], piece["data"]
+        end = start + data.shape[0]
+        if start <= cursor < end and cursor < offset + rows:
+            take = min(end, offset + rows) - cursor
+            parts.append(data[cursor - start:cursor - start + take])
+            cursor += take
+    if cursor != offset + rows:
+        raise CorruptCheckpoint(f"sharded checkpoint is missing rows {cursor}..{offset + rows} of a tensor")
+    return parts
+
+
+def _assemble(pieces: list[dict], offset: int, rows: int) -> torch.Tensor:
+    parts = _slices(pieces, offset, rows)
+    return torch.cat(parts) if parts else pieces[0]["data"][:0]
+
+
+def fill_local(target: torch.Tensor, pieces: list[dict]) -> None:
+    local, offset = local_slice(target)
+    with torch.no_grad():
+        local.copy_(_assemble(pieces, offset, local.shape[0]))
+
+
+def complete_checkpoints(directory: str) -> list[tuple[int, str]]:
+    """(step, "full" | "sharded") of every checkpoint visible under its final name."""
+    found = []
+    for name in os.listdir(directory) if os.path.isdir(directory) else []:
+        if m := FULL_RE.fullmatch(name):
+            found.append((int(m.group(1)), "full"))
+        elif m := MARKER_RE.fullmatch(name):
+            found.append((int(m.group(1)), "sharded"))
+    return found
+
+
+def read_marker(directory: str, step: int) -> dict:
+    """The .complete marker of a sharded set: step, world_size and (since the index) index."""
+    marker = marker_path(directory, step)
+    if not os.path.isfile(marker):
+        raise CorruptCheckpoint(f"sharded checkpoint of step {step} in {directory}/ is incomplete "
+                                f"(no {os.path.basename(marker)}): some rank never finished writing it")
+    return read_verified(marker)
+
+
+def open_rank_files(directory: str, step: int, ranks) -> list[dict]:
+    """The given ranks' files of a sharded set, memory-mapped and verified."""
+    files = [load_file(shard_path(directory, step, r), mmap=True) for r in ranks]
+    for r, f in zip(ranks, files):
+        if (f["step"], f["rank"]) != (step, r):
+            raise CorruptCheckpoint(f"rank file {shard_path(directory, step, r)} holds step {f['step']} of rank "
+                                    f"{f['rank']}: the set mixes files of different checkpoints")
+    return files
+
+
+def read_sharded(directory: str, step: int) -> list[dict]:
+    """Every rank file of a complete sharded checkpoint, memory-mapped and verified (offline readers)."""
+    files = open_rank_files(directory, step, range(read_marker(directory, step)["world_size"]))
+    # every tensor whole across the files (views only): later reads can't fail on one rank alone
+    for name, piece in files[0]["model"].items():
+        _slices([f["model"][name] for f in files], 0, piece["shape"][0])
+    for name, saved in files[0]["optimizer"].items():
+        for key, piece in saved.items():
+            if isinstance(piece, dict):
+                _slices([f["optimizer"][name][key] for f in files], 0, piece["shape"][0])
+    return files
+
+
+def _whole_model(files: list[dict]) -> dict:
+    """The full model state dict from a sharded set's rank files, tied names included."""
+    model = {name: _whole([f["model"][name] for f in files]) for name in files[0]["model"]}
+    return model | {alias: model[name] for alias, name in files[0]["aliases"].items()}
+
+
+def _whole(pieces: list[dict]) -> torch.Tensor:
+    return _assemble(pieces, 0, pieces[0]["shape"][0]).clone()  # clone: off the memory maps
+
+
+def consolidate(shard_file: str, out_path: str) -> None:
+    """Sharded checkpoint -> one full file, offline: as fsdp_cpt{step}.pth of the same step."""
+    match = SHARD_RE.search(os.path.basename(shard_file))
+    if not match:
+        raise UserError(f"{shard_file} is not named fsdp_sharded_cpt{{step}}_rank{{rank}}.pth")
+    files = read_sharded(os.path.dirname(shard_file), int(match.group(1)))
+    first = files[0]
+    state = {name: {key: _whole([f["optimizer"][name][key] for f in files]) if isinstance(value, dict) else value
+                    for key, value in saved.items()} for name, saved in first["optimizer"].items()}
+    header = {k: first[k] for k in ("step", "model_config", "config", "train_state")}
+    save_atomically(header | {"model": _whole_model(files),
+                              "optimizer": {"state": state, "param_groups": first["param_groups"]}}, out_path)
+
+
+def read_model(path: str) -> tuple[dict, dict]:
+    """(checkpoint, full model state dict) in one process, no process group: from a full file,
+    any rank's file of a sharded set, or a folder (its newest complete checkpoint)."""
+    if os.path.isdir(path):
+        found = sorted(complete_checkpoints(path), reverse=True)
+        if not found:
+            raise UserError(f"no complete checkpoint in {path}/")
+        step, kind = found[0]
+        path = full_path(path, step) if kind == "full" else shard_path(path, step, 0)
+    if match := SHARD_RE.search(os.path.basename(path)):
+        files = read_sharded(os.path.dirname(path), int(match.group(1)))
+        return files[0], _whole_model(files)
+    ckpt = load_file(path)
+    return ckpt, ckpt["model"]
+
+
+def load_gpt(path: str, device: torch.device) -> tuple[GPT, dict]:
+    """A plain model.GPT in eval mode with a checkpoint's weights, and the checkpoint."""
+    ckpt, state = read_model(path)
+    with torch.device("meta"):
+        model = GPT(GPTConfig(**ckpt["model_config"]))
+    model.load_state_dict(state, assign=True)
+    model.tie_weights()
+    return model.to(device).eval(), ckpt
+
+

@@ -1,0 +1,353 @@
+"""Checkpoint manager: saves and resumes a run's full or sharded checkpoints (ckpt_format.py has
+the files), collectives included: every rank calls every method at the same point.
+
+Both formats carry `step`, `model_config`, `config` (resolved) and `train_state`. Data position
+and dropout RNG are functions of (seed, step, rank), so `step` restores both; a mixture adds its
+segment and the rows each source supplied (train_state["data"], mixture.py).
+"""
+import glob
+import os
+import threading
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
+from torch.utils._pytree import tree_map_only
+
+from fsdp_gpt.checkpoint.ckpt_format import (
+    FULL_OPTIONS, LOAD_OPTIONS, SHARD_RE, CorruptCheckpoint, check_model_shape, complete_checkpoints, fill_local,
+    full_path, host_copy, is_first_replica, load_file, marker_path, open_rank_files, piece_of, read_marker,
+    read_sharded, save_atomically, shard_path, WriteFailed)
+from fsdp_gpt.checkpoint.ckpt_index import build_index, check_file, check_whole, files_to_open, layout, model_key, wanted_rows
+from fsdp_gpt.checkpoint.run_lock import RunLock
+from fsdp_gpt.config import RunStopped, UserError, to_dict
+from fsdp_gpt.distributed.launch import agree
+from fsdp_gpt.distributed.shards import local_slice, zero_rows
+
+
+def _parameter_names(model) -> dict:
+    """{parameter: name}, the same names under FSDP and DDP (whose wrapper adds 'module.')."""
+    return {p: name for name, p in getattr(model, "module", model).named_parameters()}
+
+
+def _aliases(model) -> dict:
+    """{second name: first name} for parameters registered twice (the tied LM head)."""
+    module = getattr(model, "module", model)
+    first = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        first.setdefault(p, name)
+    return {name: first[p] for name, p in module.named_parameters(remove_duplicate=False) if first[p] != name}
+
+
+def sharded_state(model, optimizer, rank: int) -> dict:
+    """This rank's slices of the model and optimizer state, as host copies (no collectives)."""
+    names = _parameter_names(model)
+    return {"model": {name: piece_of(p, rank) for p, name in names.items()},
+            "optimizer": {names[p]: {k: piece_of(v, rank) if v.dim() else host_copy(v) for k, v in s.items()}
+                          for p, s in optimizer.state.items()},
+            # what consolidation needs to write the full format: tied names, hyperparameters
+            "aliases": _aliases(model),
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} | {
+                "params": [names[p] for p in g["params"]]} for g in optimizer.param_groups]}
+
+
+def _write(writes: list, pending: dict) -> None:
+    try:
+        for obj, path in writes:
+            save_atomically(obj, path)
+    except WriteFailed as e:  # reported on the training thread by CheckpointManager.wait()
+        pending["error"] = str(e)
+    except Exception as e:  # noqa: BLE001 - likewise, with its type
+        pending["error"] = f"writing checkpoint {pending['path']} failed: {type(e).__name__}: {e}"
+
+
+def _placed(value: torch.Tensor, key: str, p: torch.Tensor, group: dict) -> torch.Tensor:
+    """A saved 0-dim optimizer value where the optimizer keeps it (the rule of torch's
+    Optimizer.load_state_dict): `step` on the host unless the optimizer is fused or capturable,
+    which keep it on the parameter's device, as every other value."""
+    on_device = key != "step" or group.get("fused") or group.get("capturable")
+    return value.to(device=p.device, copy=True) if on_device else value.clone()
+
+
+class CheckpointManager:
+    def __init__(self, cfg, topo):
+        self.cfg, self.topo, self.dir = cfg, topo, cfg.checkpoint_dir
+        self._pending = None  # the save being written: step, paths, thread, error
+        self.last_saved = None  # this rank's file of the newest finished save, or the one resumed from
+        self.train_state = {}  # the resumed checkpoint's train_state, on every rank
+        self.failed = None  # why the newest save failed (None: it succeeded), on every rank
+        # every rank that writes makes the folder: on node-local disks each node needs its own
+        writes = topo.is_main or cfg.checkpoint_type == "sharded"
+        agree(lambda: os.makedirs(self.dir, exist_ok=True) if writes else None)
+        # one run per folder: rank 0 holds it before anything in it is read or written
+        note = agree(lambda: RunLock(self.dir).acquire() if topo.is_main else None)
+        if note:
+            print(f"note: {note}", flush=True)
+        if topo.device.type == "cuda":  # where NCCL's flight recorder dumps on a timeout (watchdog.py)
+            agree(lambda: os.makedirs(os.path.join(self.dir, "hang"), exist_ok=True))
+
+    # ---- saving ----
+    def _header(self, step: int, run_state: dict | None) -> dict:
+        cfg = self.cfg
+        return {"step": step, "model_config": cfg.model_shape | {"dropout": cfg.dropout}, "config": to_dict(cfg),
+                "train_state": {"next_step": step + 1, "seed": cfg.seed} | (run_state or {})}
+
+    def save(self, step: int, model, optimizer, run_state: dict | None = None) -> None:
+        """Copy the state off the training tensors, then write it (in the background with async_save).
+        run_state: the loop's own state, alike on every rank, kept as the checkpoint's train_state
+        (data, spike window, wandb run). A state holding a non-finite value is never written: every
+        rank stops instead."""
+        self.wait()  # one save in flight at a time
+        self._refuse_non_finite(step, model, optimizer)
+        if self.cfg.checkpoint_type == "full":
+            # collectives on every rank; rank 0 alone receives the full dicts (host copies) and writes
+            state = {"model": get_model_state_dict(model, options=FULL_OPTIONS),
+                     "optimizer": get_optimizer_state_dict(model, optimizer, options=FULL_OPTIONS)}
+            path, marker = full_path(self.dir, step), None
+            if self.cfg.async_save:  # a 1-rank gather may alias the live tensors: own the bytes
+                state = tree_map_only(torch.Tensor, torch.clone, state)
+            writes = [(self._header(step, run_state) | state, path)] if self.topo.is_main else []
+        else:
+            state = sharded_state(model, optimizer, self.topo.rank) | {
+                "rank": self.topo.rank, "world_size": self.topo.world_size}
+            path, marker = shard_path(self.dir, step, self.topo.rank), marker_path(self.dir, step)
+            writes = [(self._header(step, run_state) | state, path)]
+            # an older set of this step (a fresh start in a used folder) stops being visible before any
+            # rank replaces its files: a mix of old and new files is never claimed complete
+            agree(lambda: os.remove(marker) if self.topo.is_main and os.path.exists(marker) else None)
+        self._pending = {"step": step, "path": path, "marker": marker, "error": None,
+                         "layout": layout(state) if marker else None}
+        if self.cfg.async_save:
+            self._pending["thread"] = threading.Thread(target=_write, args=(writes, self._pending), daemon=True)
+            self._pending["thread"].start()
+        else:
+            _write(writes, self._pending)
+            self.wait()
+
+    def _refuse_non_finite(self, step: int, model, optimizer) -> None:
+        """A collective: each rank checks its own slices, and all learn whether any rank found one."""
+        tensors = [*model.parameters()] + [v for s in optimizer.state.values() for v in s.values()
+                                           if isinstance(v, torch.Tensor)]
+        bad = torch.zeros((), device=self.topo.device)
+        for t in tensors:
+            bad = torch.maximum(bad, (~torch.isfinite(local_slice(t)[0])).any().float())
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        if bad.item():
+            raise RunStopped(f"the state after step {step} holds a non-finite value: not saved. Last good checkpoint: "
+                             f"{self.last_saved or 'none'}")
+
+    def wait(self) -> None:
+        """Finish the save in flight: every rank calls this at the same point (it may hold a barrier)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        if "thread" in pending:
+            pending["thread"].join()
+        errors = [None] * self.topo.world_size  # every rank learns whether any rank's write failed
+        dist.all_gather_object(errors, pending["error"])
+        failed = [e for e in errors if e]
+        if failed:
+            self._discard(pending, failed)
+            return
+        self.failed = None
+        if pending["marker"]:
+            # after the gather above: every rank's file is renamed into place before the marker says so
+            layouts = [None] * self.topo.world_size if self.topo.is_main else None
+            dist.gather_object(pending["layout"], layouts, dst=0)
+            agree(lambda: save_atomically({"step": pending["step"], "world_size": self.topo.world_size,
+                                           "index": build_index(layouts)}, pending["marker"]) if self.topo.is_main
+                  else None)  # a disk too full for the marker's few bytes stops every rank
+        self.last_saved = pending["path"]
+        if self.topo.is_main:
+            print(f"saved checkpoint {pending['marker'] or pending['path']}", flush=True)
+        self._prune(pending["step"])
+
+    def _discard(self, pending: dict, failed: list[str]) -> None:
+        """A failed save: the files of it that did get written go too (an incomplete sharded set holds
+        space and is never visible), earlier checkpoints stay, and training goes on: the next save
+        tries again (close() stops the run if the last one failed)."""
+        if pending["marker"] and os.path.exists(pending["path"]):
+            os.remove(pending["path"])
+        others = f" (and {len(failed) - 1} more ranks' files)" if len(failed) > 1 else ""
+        self.failed = f"{failed[0]}{others}"
+        if self.topo.is_main:
+            print(f"warning: {self.failed}; training goes on and the next save tries again. Last good checkpoint: "
+                  f"{self.last_saved or 'none yet'}", flush=True)
+
+    def _prune(self, saved_step: int) -> None:
+        """Keep the keep_last newest checkpoints up to the one just saved; never a newer one."""
+        if not self.cfg.keep_last or not self.topo.is_main:
+            return
+        ours = [(step, kind) for step, kind in complete_checkpoints(self.dir) if step <= saved_step]
+        for step, kind in sorted(ours, reverse=True)[self.cfg.keep_last:]:
+            if kind == "full":
+                os.remove(full_path(self.dir, step))
+            else:
+                os.remove(marker_path(self.dir, step))  # first: the set stops being visible
+                for path in glob.glob(os.path.join(self.dir, f"fsdp_sharded_cpt{step}_rank*.pth")):
+                    os.remove(path)
+
+    def close(self) -> None:
+        """Finish the last save; a run whose last save failed stops with exit 1 (its newest steps
+        exist nowhere else)."""
+        self.wait()
+        dist.barrier()
+        if self.failed:
+            raise RunStopped(f"{self.failed}: the run's last save failed. Last good checkpoint: "
+                             f"{self.last_saved or 'none'} (--resume_from=latest continues from it)")
+
+    # ---- resuming ----
+    def resume(self, resume_from: str | None, model, optimizer) -> int:
+        """Load model and optimizer state; return the step to continue after (0: fresh start)."""
+        if resume_from is None:
+            return 0
+        if resume_from == "latest":
+            return self._resume_latest(model, optimizer)
+        step = self._load(resume_from, model, optimizer)
+        agree(lambda: self._refuse_newer(step) if self.topo.is_main else None)
+        self._announce(resume_from, step)
+        return step
+
+    def _announce(self, path: str, step: int) -> None:
+        self.last_saved = path
+        if self.topo.is_main:
+            print(f"resumed from {path} at step {step}", flush=True)
+
+    def _refuse_newer(self, step: int) -> None:
+        """Checkpoints newer than the resumed step belong to an abandoned run: `latest` would
+        jump back to them after a restart, so resuming into their folder is refused."""
+        newer = sorted(s for s, _ in complete_checkpoints(self.dir) if s > step)
+        if newer:
+            raise UserError(f"{self.dir}/ holds checkpoints of steps {', '.join(map(str, newer))}, newer than the "
+                            f"resumed step {step}: move them out of {self.dir}/ or set --checkpoint_dir to a new folder")
+
+    def _check_visible(self, step: int) -> None:
+        """Every rank reads a sharded set: one that some ranks can't see is a setup error, not damage."""
+        sees = [None] * self.topo.world_size
+        dist.all_gather_object(sees, os.path.isfile(marker_path(self.dir, step)))
+        blind = [r for r, seen in enumerate(sees) if not seen]
+        if blind:
+            raise UserError(f"ranks {blind} can't see {marker_path(self.dir, step)}, which rank 0 sees: a sharded "
+                            f"resume needs checkpoint_dir on a filesystem every node shares (or checkpoint_type: full)")
+
+    def _resume_latest(self, model, optimizer) -> int:
+        # rank 0's listing decides, so every rank tries the same checkpoints in the same order
+        found = [agree(lambda: sorted(complete_checkpoints(self.dir), reverse=True) if self.topo.is_main else None)]
+        dist.broadcast_object_list(found, src=0)
+        for step, kind in found[0]:
+            path = full_path(self.dir, step) if kind == "full" else shard_path(self.dir, step, 0)
+            if kind == "sharded":
+                self._check_visible(step)
+            try:  # loaders raise before touching the model, on every rank alike
+                loaded = self._load(path, model, optimizer)
+                # the only newer sets are the damaged ones skipped above: `latest` skips them again
+                self._announce(path, loaded)
+                return loaded
+            except CorruptCheckpoint as e:
+                if self.topo.is_main:
+                    print(f"skipping a damaged checkpoint: {e}", flush=True)
+        if self.topo.is_main:
+            print(f"no usable checkpoint in {self.dir}/ yet: starting from scratch", flush=True)
+        return 0
+
+    def _load(self, path: str, model, optimizer) -> int:
+        if match := SHARD_RE.search(os.path.basename(path)):
+            return self._load_sharded(os.path.dirname(path), int(match.group(1)), model, optimizer)
+        return self._load_full(path, model, optimizer)
+
+    def _load_full(self, path: str, model, optimizer) -> int:
+        def read():
+            ckpt = load_file(path)
+            self._check_shape(f"checkpoint {path}", ckpt["model_config"])
+            return ckpt
+        ckpt = agree(read if self.topo.is_main else dict)
+        header = [ckpt.get("step"), ckpt.get("train_state", {})]
+        dist.broadcast_object_list(header, src=0)
+        set_model_state_dict(model, ckpt.get("model", {}), options=LOAD_OPTIONS)
+        set_optimizer_state_dict(model, optimizer, ckpt.get("optimizer", {}), options=LOAD_OPTIONS)
+        self.train_state = header[1]
+        return header[0]
+
+    def _load_sharded(self, directory: str, step: int, model, optimizer) -> int:
+        names = _parameter_names(model)
+        # rank 0 reads the marker once for every rank, and checks from its index that the set is whole
+        marker = [agree(lambda: self._read_marker(directory, step) if self.topo.is_main else None)]
+        dist.broadcast_object_list(marker, src=0)
+        # the first replica of each slice reads it; the other replicas receive it (below)
+        reads = is_first_replica(next(iter(names)), self.topo.rank)
+        files = agree(lambda: self._open_needed(directory, marker[0], names) if reads else [])
+        # which parameters have optimizer state, its keys, tensors' shapes and scalars (`step`), and the train state:
+        # rank 0 reads, tells all
+        skeleton = [{name: {key: value["shape"] if isinstance(value, dict) else value for key, value in saved.items()}
+                     for name, saved in files[0]["optimizer"].items()} if self.topo.is_main else None,
+                    files[0].get("train_state", {}) if self.topo.is_main else None]
+        dist.broadcast_object_list(skeleton, src=0)
+        self.train_state = skeleton[1]
+        group_of = {p: group for group in optimizer.param_groups for p in group["params"]}
+        for p, name in names.items():
+            if files:
+                fill_local(p, [f["model"][name] for f in files])
+            state = {}
+            for key, value in skeleton[0].get(name, {}).items():
+                if isinstance(value, list):  # a tensor's shape: its rows are p's rows
+                    state[key] = zero_rows(p, value[1:])
+                    if files:
+                        fill_local(state[key], [f["optimizer"][name][key] for f in files])
+                else:
+                    state[key] = _placed(value, key, p, group_of[p])
+            if state:
+                optimizer.state[p] = state
+        self._send_to_replicas(names, optimizer)
+        return step
+
+    def _send_to_replicas(self, names: dict, optimizer) -> None:
+        """Each replica group's first member sends the slices it read to the others, in one
+        order on every rank: parameters in model order, each followed by its optimizer tensors."""
+        if self.topo.wrap == "ddp":
+            group = dist.group.WORLD
+        elif self.topo.wrap == "fsdp" and "replicate" in (self.topo.mesh.mesh_dim_names or ()):
+            group = self.topo.mesh.get_group("replicate")
+        else:
+            return  # nothing replicated: every rank read its own slices
+        for p in names:
+            for t in [p] + [v for v in optimizer.state.get(p, {}).values() if v.dim()]:
+                dist.broadcast(local_slice(t)[0], group=group, group_src=0)
+
+    @staticmethod
+    def _read_marker(directory: str, step: int) -> dict:
+        marker = read_marker(directory, step)
+        if "index" in marker:
+            check_whole(marker["index"], marker_path(directory, step))
+        return marker
+
+    def _open_needed(self, directory: str, marker: dict, names: dict) -> list[dict]:
+        """The rank files holding this rank's slices (all of them for a set without an index)."""
+        step, index = marker["step"], marker.get("index")
+        if index is None:
+            files = read_sharded(directory, step)
+        else:
+            slices = {}
+            for p, name in names.items():
+                local, offset = local_slice(p)
+                slices[name] = (offset, local.shape[0])
+            # a rank holding no rows at all (more ranks than rows) still reads one file's header, as does
+            # one whose model the checkpoint does not hold: the header's config says how they differ (below)
+            other = any(index.get(model_key(name), (None,))[0] != p.shape[0] for p, name in names.items())
+            ranks = [0] if other else files_to_open(index, wanted_rows(index, slices), self.topo.rank) or [0]
+            files = open_rank_files(directory, step, ranks)
+            for r, f in zip(ranks, files):
+                check_file(index, f, r, shard_path(directory, step, r))
+        self._check_shape(f"checkpoint {shard_path(directory, step, files[0]['rank'])}", files[0]["model_config"])
+        return files
+
+    def _check_shape(self, source: str, saved: dict) -> None:
+        changes = check_model_shape(source, saved, self.cfg)
+        if self.cfg.data_mix is not None and "block_size" in changes:
+            raise UserError(f"{source}: a mixture's run can't change block_size on resume (its checkpoint counts each "
+                            f"source's rows of {saved['block_size']} tokens): keep block_size={saved['block_size']}")
+        if changes and self.topo.is_main:
+            said = ", ".join(f"{key} {was} -> {now}" for key, (was, now) in changes.items())
+            print(f"note: the context changes on resume: {said}; the weights are the checkpoint's, "
+                  f"the data continues after its step (each batch a function of (seed, step))", flush=True)
+

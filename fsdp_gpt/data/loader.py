@@ -1,0 +1,218 @@
+"""Token files read back, and the deterministic batch loader: token windows as tensors on the device."""
+import os
+
+import numpy as np
+import torch
+
+from fsdp_gpt.config import UserError
+from fsdp_gpt.data.prepare import LLMC_HEADER_INTS, llmc_format, llmc_header, llmc_shards
+from fsdp_gpt.data.mixture import Mixture, Segment
+
+
+class TokenStream:
+    """Token files read as one sequence (memory-mapped): a window may span two files."""
+
+    def __init__(self, arrays: list[np.ndarray]):
+        self.arrays = arrays
+        self.offsets = np.cumsum([0] + [len(a) for a in arrays])
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def window(self, start: int, length: int) -> np.ndarray:
+        i = int(np.searchsorted(self.offsets, start, side="right")) - 1
+        parts = []
+        while length > 0:
+            piece = self.arrays[i][start - self.offsets[i]:start - self.offsets[i] + length]
+            parts.append(piece)
+            start, length, i = start + len(piece), length - len(piece), i + 1
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def open_split(data_path: str, meta: dict, split: str) -> TokenStream:
+    if meta.get("format") == "llm.c":
+        shards = llmc_shards(data_path, split)
+        if not shards:
+            raise UserError(f"{data_path} has llm.c train shards but no *_{split}_*.bin")
+        arrays = []
+        for path in shards:
+            version, count = llmc_header(path)
+            arrays.append(np.memmap(path, dtype=llmc_format(version).dtype, mode="r", offset=4 * LLMC_HEADER_INTS,
+                                    shape=(count,)))
+        return TokenStream(arrays)
+    return TokenStream([np.memmap(os.path.join(data_path, f"{split}.bin"), dtype=np.dtype(meta["dtype"]), mode="r")])
+
+
+SCAN_TOKENS = 1 << 24  # tokens compared at a time when looking for separators: bounded memory
+
+
+def document_starts(tokens: TokenStream, separator: int, block_size: int) -> np.ndarray:
+    """align_rows: the offsets of the separator tokens a whole row (block_size + 1 tokens) fits after.
+    A row starting there begins with the separator, then a document's first token: prepared data
+    ends each document with it, llm.c's shards begin each one with it (BOS-aligned rows)."""
+    found = [np.flatnonzero(array[i:i + SCAN_TOKENS] == separator) + offset + i
+             for offset, array in zip(tokens.offsets, tokens.arrays) for i in range(0, len(array), SCAN_TOKENS)]
+    starts = np.concatenate(found).astype(np.int64)
+    starts = starts[starts + block_size + 1 <= len(tokens)]
+    if not len(starts):
+        raise UserError(f"align_rows: no document separator (token {separator}) with a whole row after it")
+    return starts
+
+
+def never_read(starts: np.ndarray, total: int, block_size: int) -> int:
+    """Tokens no aligned row reaches: those more than block_size past their document's start (cropped)."""
+    ends = np.append(starts[1:], total)
+    return int(starts[0] + np.maximum(ends - starts - (block_size + 1), 0).sum())
+
+
+class RandomWindows:
+    """One dataset (data_path): step s's rows start at train_batch offsets drawn anywhere in the train
+    tokens by a generator seeded with (seed, s), with replacement (nanoGPT's sampling); with
+    align_rows, drawn among the document starts instead."""
+
+    def __init__(self, tokens: int, seed: int, train_batch: int, starts: np.ndarray | None = None):
+        self.tokens, self.seed, self.train_batch, self.starts = tokens, seed, train_batch, starts
+
+    def rows(self, step: int, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+        draw = np.random.default_rng([self.seed, step]).integers
+        starts = draw(0, self.tokens - block_size - 1, size=self.train_batch) if self.starts is None else \
+            self.starts[draw(0, len(self.starts), size=self.train_batch)]
+        return np.zeros(self.train_batch, dtype=np.int64), starts
+
+
+class BatchLoader:
+    """Deterministic batches: the global batch of step s depends only on (seed, s) (and, for a
+    mixture, its segment: mixture.py).
+
+    The sampler gives step s's train_batch rows as (source, start offset); data-parallel rank r takes
+    rows [r * n, (r + 1) * n) of them, n = train_batch / dp, and cuts them into micro-batches. World
+    size, micro batch and restarts change who computes which row, never which rows make up the step;
+    nor does the same token sequence split into other files (llm.c shards).
+
+    sources: {name: (folder, its metadata)}; one (data_path) or several (data_mix, with a segment).
+    Context parallelism (cp_size ranks per row): rank cp_rank of a row's group reads only its slice of
+    each row, tokens `start` .. `start` + block_size/cp_size - 1 (and the next one, its last target).
+    """
+
+    def __init__(self, sources: dict[str, tuple[str, dict]], block_size: int, train_batch: int, micro_batch: int,
+                 dp_rank: int, dp_size: int, seed: int, device: torch.device, segment: Segment | None = None,
+                 align_rows: bool = False, cp_rank: int = 0, cp_size: int = 1):
+        self.block_size, self.train_batch, self.micro_batch = block_size, train_batch, micro_batch
+        self.dp_rank, self.dp_size, self.seed, self.device = dp_rank, dp_size, seed, device
+        self.cp_size, self.start = cp_size, cp_rank * (block_size // cp_size)
+        self.separator = next(iter(sources.values()))[1].get("eot_token")  # between documents (None: not known)
+        self.names = list(sources)
+        self.splits = {split: [open_split(path, meta, split) for path, meta in sources.values()]
+                       for split in ("train", "val")}
+        for split, streams in self.splits.items():
+            for (path, _), tokens in zip(sources.values(), streams):
+                if len(tokens) <= block_size + 1:
+                    raise UserError(f"the {split} split of {path} holds {len(tokens)} tokens, fewer than "
+                                    f"block_size+1={block_size + 1}")
+        train = self.splits["train"]
+        # align_rows: each source's rows start at its documents (a window per document), else anywhere
+        self.starts = [document_starts(tokens, meta["eot_token"], block_size) if align_rows else None
+                       for tokens, (_, meta) in zip(train, sources.values())]
+        self.mixture = None if segment is None else Mixture(self.names, [
+            (len(tokens) - 1) // block_size if starts is None else len(starts) for tokens, starts in zip(train, self.starts)
+        ], segment, seed, train_batch, self.starts)
+        self.sampler = self.mixture or RandomWindows(len(train[0]), seed, train_batch, self.starts[0])
+        self.val_weights = [1.0] if segment is None else [segment.weights[name] for name in self.names]
+        # on GPU the next micro-batch is copied on a side stream while the current one computes;
+        # on CPU there is no copy to hide and batches are built when asked for
+        self.one_ahead = device.type == "cuda"
+        self._copy_stream = torch.cuda.Stream(device) if self.one_ahead else None
+        self._ahead = None  # ((step, micro_step), copy in flight)
+
+    def _host_rows(self, split: str, chunk: tuple[np.ndarray, np.ndarray]) -> torch.Tensor:
+        streams, T = self.splits[split], self.block_size // self.cp_size
+        rows = [streams[int(k)].window(int(s) + self.start, T + 1) for k, s in zip(*chunk)]
+        return torch.from_numpy(np.stack(rows).astype(np.int64))
+
+    def _rows(self, split: str, chunk: tuple[np.ndarray, np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
+        xy = self._finish_copy(self._start_copy(self._host_rows(split, chunk)))
+        return xy[:, :-1], xy[:, 1:]
+
+    def _my_chunks(self, step: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """This rank's share of step `step`'s rows, (sources, start offsets), cut into micro-batches."""
+        sources, starts = self.sampler.rows(step, self.block_size)
+        share = self.train_batch // self.dp_size
+        mine = slice(self.dp_rank * share, (self.dp_rank + 1) * share)
+        sources, starts = sources[mine], starts[mine]
+        return [(sources[i:i + self.micro_batch], starts[i:i + self.micro_batch]) for i in range(0, share, self.micro_batch)]
+
+    def micro_batches(self, step: int):
+        """Yield (x, y) micro-batches of this rank's share of step `step`'s global batch."""
+        chunks = self._my_chunks(step)
+        if not self.one_ahead:
+            for chunk in chunks:
+                yield self._rows("train", chunk)
+            return
+        # one ahead: micro-batch i+1 (after the last, the next step's first) is read and its copy
+        # started before micro-batch i is handed over, so the copy runs while i computes
+        queue = [((step, i), chunk) for i, chunk in enumerate(chunks)]
+        queue.append(((step + 1, 0), self._my_chunks(step + 1)[0]))
+        for (key, chunk), (following, following_chunk) in zip(queue, queue[1:]):
+            if self._ahead is None or self._ahead[0] != key:  # the first step, or a jump (resume)
+                self._ahead = (key, self._start_copy(self._host_rows("train", chunk)))
+            copy = self._ahead[1]
+            self._ahead = (following, self._start_copy(self._host_rows("train", following_chunk)))
+            xy = self._finish_copy(copy)
+            yield xy[:, :-1], xy[:, 1:]
+
+    def _start_copy(self, xy: torch.Tensor):
+        """The host rows on their way to the device: on GPU through pinned memory, on a side stream."""
+        if self.device.type != "cuda":
+            return xy.to(self.device), None  # on CPU: xy itself
+        with torch.cuda.stream(self._copy_stream):
+            xy = xy.pin_memory().to(self.device, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        return xy, done
+
+    def _finish_copy(self, copy) -> torch.Tensor:
+        xy, done = copy
+        if done is not None:
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_event(done)
+            xy.record_stream(compute)  # allocated on the copy stream, used (and freed) on this one
+        return xy
+
+    def val_batches(self, n_windows: int):
+        """Yield (source, x, y, weight) over the first n_windows consecutive val windows of each source
+        (a mixture's each: what the same eval of that source alone gives, whatever the weights).
+
+        Windows are dealt round-robin to ranks; every rank yields the same number of micro-batches
+        (collectives inside forward must match), padding with weight 0.
+        """
+        for k in range(len(self.names)):
+            available = (len(self.splits["val"][k]) - 1) // self.block_size
+            wanted = min(n_windows, available)
+            mine = np.arange(self.dp_rank, wanted, self.dp_size)
+            per_rank = -(-wanted // self.dp_size)
+            for i in range(-(-per_rank // self.micro_batch)):
+                ids = mine[i * self.micro_batch:(i + 1) * self.micro_batch]
+                weight = (torch.arange(self.micro_batch, device=self.device) < len(ids)).float()  # made on the device
+                ids = np.concatenate([ids, np.zeros(self.micro_batch - len(ids), dtype=ids.dtype)])
+                x, y = self._rows("val", (np.full(len(ids), k), ids * self.block_size))
+                yield k, x, y, weight
+
+    def cropped(self) -> dict[str, float]:
+        """align_rows: each source's share of train tokens no row reads."""
+        return {name: never_read(starts, len(tokens), self.block_size) / len(tokens)
+                for name, starts, tokens in zip(self.names, self.starts, self.splits["train"]) if starts is not None}
+
+    def read(self, step: int) -> dict[str, float]:
+        """A mixture's progress after step `step` for TensorBoard: data/{name}/epoch and /tokens."""
+        if self.mixture is None:
+            return {}
+        supplied, epochs = self.mixture.supplied(step), self.mixture.epochs(step)
+        return {f"data/{name}/{what}": value for name in self.names
+                for what, value in (("epoch", epochs[name]), ("tokens", supplied[name] * self.block_size))}
+
+    def position(self, step: int) -> str:
+        """Where in the data step `step` read, in words (the guard's stop line names it)."""
+        if self.mixture is None:
+            return f"the batch of step {step} (seed {self.seed})"
+        epochs = ", ".join(f"{name} epoch {e:.3f}" for name, e in self.mixture.epochs(step).items())
+        return f"the batch of step {step} (seed {self.seed}; read so far: {epochs})"

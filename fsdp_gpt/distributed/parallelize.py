@@ -1,0 +1,88 @@
+"""The model made ready for its ranks, in a fixed order: built on the meta device, context
+parallelism swapped in, activation checkpointing, compile, fully_shard per DecoderBlock and then
+the root (or DDP, or nothing at one process), weights initialised on rank 0 and broadcast into the
+shards. model.py knows nothing of this: every part here is applied from outside.
+"""
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+from fsdp_gpt.distributed.context_parallel import apply_context_parallel
+from fsdp_gpt.distributed.launch import STRATEGY_TABLE, Topology, agree
+from fsdp_gpt.distributed.precision import DTYPES, autocast, compute_dtype
+from fsdp_gpt.hf_format import read_hf_folder
+from fsdp_gpt.model import GPT, GPTConfig
+
+
+def initial_state(cfg, gpt_cfg: GPTConfig) -> dict:
+    """The full starting weights: a Hugging Face folder's (init_from), or the seed's."""
+    if cfg.init_from:  # define_model made cfg the folder's model: its tensors fit
+        return read_hf_folder(cfg.init_from)[1]
+    torch.manual_seed(cfg.seed)
+    return GPT(gpt_cfg).state_dict()
+
+
+def build_model(cfg, gpt_cfg: GPTConfig, topo: Topology) -> torch.nn.Module:
+    with torch.device("meta"):
+        model = GPT(gpt_cfg)
+    if topo.is_main:  # before the (for large models, long) initialisation
+        n_params = model.num_params()
+        print(f"parameters: {n_params:,} ({n_params / 1e6:.1f}M)", flush=True)
+    if topo.cp_size > 1:
+        apply_context_parallel(model, topo.cp_group, topo.cp_size)
+    model.activation_checkpointing = cfg.activation_checkpointing
+    if cfg.compile:
+        for block in model.blocks:
+            block.compile()
+    param_device = topo.device
+    if topo.wrap == "fsdp":
+        _, reshard = STRATEGY_TABLE[cfg.sharding_strategy]
+        dtype = compute_dtype(cfg.dtype, topo.device)
+        # cast_forward_inputs off: a block's input x is in the compute dtype already (computed with
+        # cast parameters), and the fp32 RoPE tables the root hands each block must stay fp32
+        shard_args = dict(mesh=topo.mesh, mp_policy=MixedPrecisionPolicy(
+            param_dtype=None if dtype == torch.float32 else dtype, reduce_dtype=DTYPES[cfg.reduce_dtype],
+            cast_forward_inputs=False))
+        if cfg.cpu_offload:
+            shard_args["offload_policy"] = CPUOffloadPolicy(pin_memory=topo.device.type == "cuda")
+            param_device = torch.device("cpu")
+        for i, block in enumerate(model.blocks):
+            # the last block's parameters are needed first in backward: keep them gathered
+            fully_shard(block, reshard_after_forward=reshard and i < len(model.blocks) - 1, **shard_args)
+        fully_shard(model, **shard_args)  # the root: embeddings, final norm, tied LM head
+        if topo.device.type != "cuda":
+            # FSDP2 averages gradients with ReduceOp.AVG, which gloo sums without dividing in torch
+            # 2.8: on gloo, sum and divide by the data-parallel size instead (NCCL keeps AVG)
+            for unit in (*model.blocks, model):
+                unit.set_force_sum_reduction_for_comms(True)
+    model.to_empty(device=param_device)
+    model.tie_weights()
+    # Same seed (or folder), same weights for any world size: rank 0 alone builds the full model
+    # (host memory) and the weights are broadcast one tensor at a time into every rank's shards.
+    full_state = agree(lambda: initial_state(cfg, gpt_cfg) if topo.is_main else {})
+    set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    if topo.wrap == "ddp":
+        # find_unused_parameters keeps DDP's first bucket layout. Otherwise DDP rebuilds its buckets
+        # after the first synced step, in the order the gradients arrived: a resumed run's first
+        # step would reduce in the old layout where the uninterrupted run used the new one, and at
+        # 3+ ranks the ring all-reduce's summation order follows the layout (last bits differ).
+        # The price: a walk of the autograd graph per step, and a one-time warning on each rank.
+        model = DistributedDataParallel(model, device_ids=[topo.device.index] if topo.device.type == "cuda" else None,
+                                        find_unused_parameters=True)
+    return model
+
+
+def set_gradient_sync(model: torch.nn.Module, enabled: bool) -> None:
+    """Reduce gradients only on the last micro-step: one reduction per optimizer step."""
+    if isinstance(model, DistributedDataParallel):
+        model.require_backward_grad_sync = enabled
+    elif isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(enabled)
+    # an unwrapped model (one process) has no gradients to reduce
+
+
+def forward_context(cfg, topo: Topology):
+    """The context of every forward: training, val loss and text samples compute in one dtype."""
+    dtype = compute_dtype(cfg.dtype, topo.device)
+    return lambda: autocast(dtype, topo.device, fsdp=topo.wrap == "fsdp")

@@ -1,0 +1,54 @@
+"""Devices and numerics: which device a process computes on, and the dtype it computes in.
+
+Every forward (training, val loss, text samples, evaluate.py, sample.py) runs under the same
+`autocast`, so a run's logged val loss is what evaluate.py reports for its checkpoint.
+"""
+import torch
+
+from fsdp_gpt.config import UserError
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def pick_device(local_rank: int = 0) -> torch.device:
+    """GPU local_rank when there is one, else the CPU. On GPUs fp32 matmuls (dtype: fp32, and the
+    few fp32 ops under autocast) run on tensor cores as TF32: about 10 bits of mantissa instead
+    of 23, several times faster; bf16/fp16 compute is unaffected."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)
+    torch.set_float32_matmul_precision("high")
+    return device
+
+
+def compute_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """The config's `dtype` resolved for a device: auto is bf16 on GPUs that have it, fp16 (with
+    gradient scaling) on older ones, where emulated bf16 is slow (V100, T4), fp32 on CPU."""
+    if dtype != "auto":
+        return DTYPES[dtype]
+    if device.type == "cuda":
+        return torch.bfloat16 if native_bf16(device) else torch.float16
+    return torch.float32
+
+
+def native_bf16(device: torch.device) -> bool:
+    """Whether bf16 matmuls run on the device's tensor cores (Ampere and newer), not emulated."""
+    return device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
+
+
+def check_offload(dtype: torch.dtype, cpu_offload: bool) -> None:
+    """fp16 with cpu_offload is refused: GradScaler hands the offloaded (host) gradients its
+    inv_scale and found_inf through non_blocking copies from the GPU, and the CPU kernels read
+    them without waiting for the copy (torch/amp/grad_scaler.py, _MultiDeviceReplicator.get;
+    fused AdamW's found_inf alike): stale scales and missed overflows, silently."""
+    if dtype == torch.float16 and cpu_offload:
+        raise UserError("dtype fp16 (also what dtype: auto picks on GPUs without bf16) with cpu_offload: true is not "
+                        "supported: its loss scaling reads GPU values on the host unsynchronised; use dtype: bf16 or "
+                        "fp32, or cpu_offload: false")
+
+
+def autocast(dtype: torch.dtype, device: torch.device, fsdp: bool):
+    """The context every forward runs in. Under FSDP the MixedPrecisionPolicy casts parameters to
+    `dtype` for the compute, so autocast stays off; unwrapped and under DDP autocast does it."""
+    return torch.autocast(device.type, dtype=dtype, enabled=not fsdp and dtype != torch.float32)

@@ -1,0 +1,35 @@
+"""FSDP2's dim-0 shards seen from one rank: which rows it holds, and state laid out like them.
+Shared by the checkpoint files, Muon's gather of whole matrices and the per-rank statistics."""
+import torch
+from torch.distributed.tensor import DTensor
+
+
+def dim0_shard(rows: int, n: int, i: int) -> tuple[int, int]:
+    """(offset, rows) of shard i of n: FSDP2 shards dim 0 like torch.chunk, rank i holding rows
+    [i*c, min((i+1)*c, rows)), c = ceil(rows / n), possibly none."""
+    chunk = -(-rows // n)
+    start = min(i * chunk, rows)
+    return start, min(start + chunk, rows) - start
+
+
+def local_slice(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """This rank's dim-0 slice of a (possibly FSDP-sharded) tensor and its global offset."""
+    if not isinstance(t, DTensor):
+        return t, 0
+    offset = 0
+    for mesh_dim, placement in enumerate(t.placements):
+        if placement.is_shard(0):
+            offset += dim0_shard(t.shape[0], t.device_mesh.size(mesh_dim), t.device_mesh.get_local_rank(mesh_dim))[0]
+    return t.to_local(), offset
+
+
+def zero_rows(like: torch.Tensor, row_shape) -> torch.Tensor:
+    """Zeros of shape (rows of `like`, *row_shape), sharded and placed as `like` is: optimizer state
+    whose slices follow their parameter's rows through saving, loading and resharding (AdamW's
+    moments and Muon's momentum: row_shape = like.shape[1:]; NorMuon's moments: (1,))."""
+    shape = torch.Size((like.shape[0], *row_shape))
+    if not isinstance(like, DTensor):
+        return like.new_zeros(shape)
+    local = like.to_local()
+    return DTensor.from_local(local.new_zeros(local.shape[0], *row_shape), like.device_mesh, like.placements,
+                              run_check=False, shape=shape, stride=torch.empty(shape, device="meta").stride())

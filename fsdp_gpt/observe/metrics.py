@@ -1,0 +1,227 @@
+"""Rank-0 progress reporting: console line, TensorBoard (and wandb) scalars, MFU, memory, each
+rank's time."""
+import glob
+import math
+import os
+import resource
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from fsdp_gpt.distributed.shards import local_slice
+from fsdp_gpt.distributed.compat import all_gather_flat
+from fsdp_gpt.observe.peak_flops import cpu_peak_flops, gpu_peak_flops
+from fsdp_gpt.observe.step_times import COLUMNS as TIME_COLUMNS
+from fsdp_gpt.observe.wandb_log import WandbRun
+
+def host_peak_gb() -> float:
+    """Peak resident set size of this process (with cpu_offload, where the state lives).
+
+    VmHWM, not getrusage's ru_maxrss: Linux carries ru_maxrss across fork and exec, so a rank
+    started by a large parent (torchrun's agent, a notebook, pytest) reported at least the
+    parent's size."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1e6  # kB
+    except OSError:  # no /proc (macOS): ru_maxrss, in bytes there
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e9
+
+
+def device_memory_gb(device: torch.device) -> tuple[float, float]:
+    """(peak allocated, peak reserved) since the last call. Reserved is what the caching allocator
+    holds, what an out-of-memory error is about. On CPU both are the process's peak RSS."""
+    if device.type != "cuda":
+        return host_peak_gb(), host_peak_gb()
+    allocated, reserved = torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
+    torch.cuda.reset_peak_memory_stats(device)  # each log line reports its own interval
+    return allocated / 1e9, reserved / 1e9
+
+
+def state_gb(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> float:
+    """This rank's parameters, gradients (when held) and optimizer state (its shards under FSDP).
+    At log time the step's gradients are already freed: the figure is parameters + optimizer state."""
+    params = list(model.parameters())
+    tensors = params + [p.grad for p in params if p.grad is not None] + [
+        v for state in optimizer.state.values() for v in state.values() if v.dim()]
+    local = (local_slice(t)[0] for t in tensors)
+    return sum(t.numel() * t.element_size() for t in local) / 1e9
+
+
+MEMORY_COLUMNS = ("peak", "reserved", "host", "state")
+
+
+def per_rank_stats(model, optimizer, device: torch.device, times: list[float] = ()) -> torch.Tensor:
+    """(world, 4 + len(times)): every rank's GB as MEMORY_COLUMNS, then its `times` (StepTimes.row():
+    seconds per step as TIME_COLUMNS). A collective, the log step's only one: every rank calls it."""
+    mine = torch.tensor([*device_memory_gb(device), host_peak_gb(), state_gb(model, optimizer), *times], device=device)
+    every = torch.empty(dist.get_world_size() * len(mine), device=device)
+    all_gather_flat(every, mine)
+    return every.view(-1, len(mine)).cpu()
+
+
+def slowest_rank(times: torch.Tensor) -> tuple[int, float]:
+    """times: (world, TIME_COLUMNS) seconds per step. The rank whose own time (data + compute: not
+    waiting for the others) is the longest, and its ratio to the median rank's."""
+    own = (times[:, 0] + times[:, 1]).tolist()
+    rank = max(range(len(own)), key=own.__getitem__)
+    return rank, own[rank] / max(statistics.median(own), 1e-9)
+
+
+def _duration(seconds: float) -> str:
+    minutes, s = divmod(int(seconds), 60)
+    h, m = divmod(minutes, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+class ProgressLog:
+    """Created on every rank; only rank 0 prints and writes TensorBoard events."""
+
+    def __init__(self, enabled: bool, cfg, tokens_per_step: int, flops_per_token: int, device: torch.device,
+                 dtype: torch.dtype, world_size: int, resumed_at: int = 0, wandb_id: str | None = None):
+        """resumed_at: the step a resumed run continues after. What an abandoned stretch of the run
+        logged past it is purged from TensorBoard's view (purge_step), so each step shows once,
+        with the resumed run's values. wandb_id: the wandb run to log to (wandb_log.run_id), or None."""
+        self.enabled, self.max_iters, self.straggler_ratio = enabled, cfg.max_iters, cfg.straggler_ratio
+        self.spike_skip = cfg.spike_skip
+        self.tokens_per_step, self.flops_per_token, self.peak_flops = tokens_per_step, flops_per_token, None
+        self.writer = self.wandb = None
+        if enabled:  # the other ranks neither log nor measure (a CPU's peak is measured, not looked up)
+            from torch.utils.tensorboard import SummaryWriter
+            os.makedirs(cfg.tensorboard_dir, exist_ok=True)
+            self.writer = SummaryWriter(log_dir=cfg.tensorboard_dir, purge_step=resumed_at + 1 if resumed_at else None)
+            self.wandb = wandb_id and WandbRun(cfg, wandb_id)
+            if device.type == "cuda":
+                peak = gpu_peak_flops(device, dtype)
+                if peak is None:
+                    print(f"note: MFU unknown for GPU '{torch.cuda.get_device_name(device)}': add its dense peak "
+                          f"FLOP/s to peak_flops.GPU_PEAK_FLOPS", flush=True)
+            else:
+                peak, how = cpu_peak_flops()
+                print(f"note: MFU on the CPU is an estimate, against {peak / 1e9:.0f} GFLOP/s per rank, the larger of "
+                      f"two figures: {how}", flush=True)
+            self.peak_flops = peak and peak * world_size  # every rank's device alike
+        self.mark_time, self.mark_step = time.perf_counter(), None
+        self.run_peak = None  # every rank's memory peaks over the whole run (GPU peaks reset per log)
+
+    def start(self, step: int) -> None:
+        """Begin timing from `step` (after start-up, eval and resume)."""
+        self.mark_time, self.mark_step = time.perf_counter(), step
+
+    def _write(self, scalars: dict[str, float], step: int) -> None:
+        for tag, value in scalars.items():
+            self.writer.add_scalar(tag, value, step)
+        if self.wandb:
+            self.wandb.log(scalars, step)
+
+    def train(self, step: int, loss: float, lr: float, grad_norm: float, per_rank: torch.Tensor, skipped: int,
+              data: dict[str, float], spikes: list[tuple[int, float]], spike_count: int) -> None:
+        """per_rank: per_rank_stats() with step times; memory: the console shows the largest rank,
+        TensorBoard every rank. skipped: non-finite steps skipped so far; data: a mixture's
+        data/{source}/... scalars; spikes: (step, z) of the loss spikes since the last line, of
+        spike_count in the run."""
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        step_time = (now - self.mark_time) / max(step - self.mark_step, 1)
+        self.mark_time, self.mark_step = now, step
+        tokens_per_sec = self.tokens_per_step / step_time
+        memory, times = per_rank[:, :len(MEMORY_COLUMNS)], per_rank[:, len(MEMORY_COLUMNS):]
+        self.run_peak = memory if self.run_peak is None else torch.maximum(self.run_peak, memory)
+        largest = dict(zip(MEMORY_COLUMNS, memory.max(dim=0).values.tolist()))
+        scalars = {"train/loss": loss, "train/lr": lr, "train/grad_norm": grad_norm, "perf/tokens_per_sec": tokens_per_sec,
+                   "train/skipped_steps": skipped, "train/spikes": spike_count} | data
+        scalars |= {f"mem/{column}_gb": gb for column, gb in largest.items()}
+        for rank, row in enumerate(memory.tolist()):
+            scalars |= {f"mem/rank{rank}/{column}_gb": gb for column, gb in zip(MEMORY_COLUMNS, row)
+                        if column in ("peak", "state")}
+        for column, values in zip(TIME_COLUMNS, times.t().tolist()):
+            if not math.isnan(values[0]):
+                scalars |= {f"time/{column}_ms/min": 1e3 * min(values), f"time/{column}_ms/median":
+                            1e3 * statistics.median(values), f"time/{column}_ms/max": 1e3 * max(values)}
+        slowest, ratio = slowest_rank(times)
+        scalars |= {"time/slowest_rank": slowest, "time/slowest_ratio": ratio}
+        mfu = "n/a"
+        if self.peak_flops:
+            # a CPU's peak with no vector bound is a measurement, which a busy moment undercuts: what
+            # the run itself reached is a peak too, so the figure never passes 100%
+            self.peak_flops = max(self.peak_flops, tokens_per_sec * self.flops_per_token)
+            scalars["perf/mfu"] = tokens_per_sec * self.flops_per_token / self.peak_flops
+            mfu = f"{100 * scalars['perf/mfu']:.1f}%"
+        self._write(scalars, step)
+        eta = _duration(step_time * (self.max_iters - step))
+        # on CPU every column but state is the process's peak RSS: one figure is enough
+        reserved = f" ({largest['reserved']:.2f} reserved)" if largest["reserved"] != largest["peak"] else ""
+        skips = f" | skipped {skipped}" if skipped else ""
+        late = ""
+        if ratio > self.straggler_ratio:
+            data_ms, compute_ms = (1e3 * t for t in times[slowest, :2].tolist())
+            late = (f" | slowest rank {slowest}: {ratio:.2f}x the median (data {data_ms:.0f} ms, compute "
+                    f"{compute_ms:.0f} ms a step)")
+        skip = ", update skipped" if self.spike_skip else ""
+        spiked = "".join(f" | loss spike at step {s} (z {z:.1f}{skip})" for s, z in spikes)
+        print(f"step {step}/{self.max_iters} | loss {loss:.4f} | lr {lr:.2e} | {tokens_per_sec:,.0f} tok/s "
+              f"| MFU {mfu} | mem {largest['peak']:.2f} GB{reserved} | ETA {eta}{skips}{spiked}{late}", flush=True)
+
+    def val(self, step: int, loss: float, sample: str, per_source: dict[str, float], mc: dict[str, dict]) -> None:
+        """per_source: a mixture's val loss of each source (val/loss/{source}); mc: each multiple-choice
+        set's {acc, acc_norm} (eval/{name}/...)."""
+        if not self.enabled:
+            return
+        scalars = {"val/loss": loss, "val/perplexity": math.exp(loss)}
+        scalars |= {f"val/loss/{name}": value for name, value in per_source.items()}
+        scalars |= {f"eval/{name}/{metric}": value for name, scores in mc.items() for metric, value in scores.items()}
+        self._write(scalars, step)
+        # indented: TensorBoard renders text as markdown, this keeps it verbatim
+        if sample:
+            self.writer.add_text("val/sample", "\n".join("    " + line for line in sample.splitlines()), step)
+        each = "".join(f" | {name} {value:.4f}" for name, value in per_source.items())
+        each += "".join(f" | {name} acc {s['acc']:.4f} acc_norm {s['acc_norm']:.4f}" for name, s in mc.items())
+        print(f"step {step}/{self.max_iters} | val loss {loss:.4f} | perplexity {math.exp(loss):.2f}{each}", flush=True)
+
+    def close(self, per_rank: torch.Tensor) -> None:
+        """per_rank: per_rank_stats() after the last step, eval and checkpoint."""
+        if not self.enabled:
+            return
+        self.writer.close()
+        if self.wandb:
+            self.wandb.close()
+        memory = per_rank if self.run_peak is None else torch.maximum(self.run_peak, per_rank)
+        columns = {name: " ".join(f"{gb:.3f}" for gb in column) for name, column in zip(MEMORY_COLUMNS, memory.t().tolist())}
+        extra = "".join(f" | {name} {columns[name]}" for name in ("reserved", "host") if columns[name] != columns["peak"])
+        print(f"memory per rank, GB: peak {columns['peak']} | parameters + optimizer state "
+              f"{columns['state']}{extra}", flush=True)
+
+
+# ---- reading the events back (tests, bench/compare_runs.py) ----
+def _event_files(tb_dir: str):
+    """An EventAccumulator per TensorBoard events file in tb_dir, oldest first."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    for path in sorted(glob.glob(os.path.join(tb_dir, "events.*"))):
+        acc = EventAccumulator(path, size_guidance={"scalars": 0, "tensors": 0})
+        acc.Reload()
+        yield acc
+
+
+def scalar_tags(tb_dir: str) -> set[str]:
+    """Every scalar tag in tb_dir's events files."""
+    return {tag for acc in _event_files(tb_dir) for tag in acc.Tags()["scalars"]}
+
+
+def read_scalars(tb_dir: str, tag: str) -> dict[int, float]:
+    """{step: value} of one TensorBoard tag across every events file in tb_dir."""
+    values = {}
+    for acc in _event_files(tb_dir):
+        if tag in acc.Tags()["scalars"]:
+            values |= {e.step: e.value for e in acc.Scalars(tag)}
+    return values
+
+
+def read_texts(tb_dir: str, tag: str) -> dict[int, str]:
+    """{step: text} of one TensorBoard text tag."""
+    values = {}
+    for acc in _event_files(tb_dir):
+        if f"{tag}/text_summary" in acc.Tags()["tensors"]:
+            values |= {e.step: e.tensor_proto.string_val[0].decode() for e in acc.Tensors(f"{tag}/text_summary")}
+    return values

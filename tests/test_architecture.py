@@ -1,0 +1,76 @@
+"""The house's rules (docs/architecture.md), checked on the source: the root holds the programs a
+user runs, each answering --help; the package's layers import downwards only; the model knows
+nothing of distribution, checkpoints or logging; no module grows past ~400 lines."""
+import ast
+import glob
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+PACKAGE = os.path.join(ROOT, "fsdp_gpt")
+ENTRY_POINTS = ["train_fsdp.py", "sample.py", "evaluate.py", "export_hf.py", "data.py", "consolidate.py"]
+# lowest first: a module imports from lower layers and from its own group, never from above or beside
+LAYERS = [("config", "model"), ("files",), ("hf_format", "resilience"), ("distributed",), ("data", "optim", "observe"),
+          ("evaluation", "checkpoint")]
+LAYER_OF = {group: i for i, groups in enumerate(LAYERS) for group in groups}
+
+
+def group(module: str) -> str:
+    """fsdp_gpt.data.loader -> data; fsdp_gpt.config_help -> config."""
+    name = module.split(".")[1]
+    return "config" if name == "config_help" else name
+
+
+def modules() -> dict[str, str]:
+    found = {}
+    for path in glob.glob(os.path.join(PACKAGE, "**", "*.py"), recursive=True):
+        name = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".").removesuffix(".__init__")
+        found[name] = path
+    return found
+
+
+def imports(path: str) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+    return names
+
+
+def test_root_holds_the_entry_points_only():
+    assert sorted(os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "*.py"))) == sorted(ENTRY_POINTS)
+
+
+@pytest.mark.parametrize("script", ENTRY_POINTS)
+def test_entry_point_answers_help(script):
+    result = subprocess.run([sys.executable, os.path.join(ROOT, script), "--help"], capture_output=True, text=True,
+                            timeout=120, env=dict(os.environ, PYTHONPATH=""))
+    assert result.returncode == 0 and "usage" in result.stdout.lower() + result.stderr.lower(), result.stderr
+
+
+def test_layers_import_downwards():
+    wrong = []
+    for name, path in modules().items():
+        if name == "fsdp_gpt":
+            continue
+        mine = group(name)
+        for target in imports(path):
+            if target.startswith("fsdp_gpt.") and group(target) != mine and LAYER_OF[group(target)] >= LAYER_OF[mine]:
+                wrong.append(f"{name} imports {target}")
+    assert not wrong, wrong
+
+
+def test_model_is_plain_pytorch():
+    assert {name for name in imports(os.path.join(PACKAGE, "model.py"))
+            if name.startswith(("fsdp_gpt", "torch.distributed"))} == set()
+
+
+def test_no_module_past_its_size():
+    lines = {name: sum(1 for _ in open(path)) for name, path in modules().items()}
+    assert max(lines.values()) <= 420, sorted(lines.items(), key=lambda kv: -kv[1])[:3]
