@@ -38,7 +38,7 @@ def losses_of(seed: int, window: int, steps: int | None = None, spike_step: int 
     """train/loss at every step of a demo run (random tokens at `spike_step`, when given)."""
     script = os.path.join(ROOT, "tests", "observe_probe.py") if spike_step else os.path.join(ROOT, "train_fsdp.py")
     with tempfile.TemporaryDirectory() as run:
-        extra = [f"--max_iters={steps}", f"--lr_decay_iters={steps}"] if steps else []
+        extra = [f"--max_iters={steps}"] if steps else []  # the demo's schedule, stopped early (the user's run)
         subprocess.run([sys.executable, script, os.path.join(ROOT, "config", "demo_cpu.yaml"), f"--seed={seed}",
                         "--log_interval=1", "--sample_tokens=0", f"--checkpoint_dir={run}/ckpt",
                         f"--tensorboard_dir={run}/tb", f"--spike_window={window}", *extra],

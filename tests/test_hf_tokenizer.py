@@ -87,6 +87,8 @@ def test_end_of_text_is_eos_then_bos_and_large_vocabularies_take_uint32(tmp_path
     (lambda d: d.mkdir(), "no tokenizer.json there"),
     (lambda d: (d.mkdir(), (d / "tokenizer.json").write_text("{not json")), "does not parse"),
     (lambda d: make_tokenizer(d, config={}), "has no end-of-text token to separate documents"),
+    (lambda d: (make_tokenizer(d), (d / "tokenizer_config.json").write_text('{"eos_token": ')),
+     "is not JSON"),
 ])
 def test_bad_tokenizers_are_refused_in_one_line_and_nothing_is_written(make, message, tmp_path):
     make(tmp_path / "tok")

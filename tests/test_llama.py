@@ -199,6 +199,10 @@ DAMAGES = {  # name: (damage(folder), what the line says)
     "unknown dtype": (lambda d: damage_header(d / "model.safetensors", lambda h: h["model.norm.weight"].update(dtype="F8_E4M3")),
                       "tensor model.norm.weight is F8_E4M3; F32, F16 and BF16 are read"),
     "config.json not JSON": (lambda d: (d / "config.json").write_text("{'vocab_size': 256,"), "config.json is not JSON"),
+    "index not JSON": (lambda d: (d / "model.safetensors.index.json").write_text('{"weight_map": {'),
+                       "model.safetensors.index.json is not JSON"),
+    "index without its map": (lambda d: (d / "model.safetensors.index.json").write_text('{"metadata": {}}'),
+                              "model.safetensors.index.json lacks weight_map"),
 }
 
 
