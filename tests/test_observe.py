@@ -17,6 +17,8 @@ from fsdp_gpt.observe.metrics import scalar_tags
 from fsdp_gpt.observe.spikes import SpikeDetector
 
 PROBE = os.path.join(ROOT, "tests", "observe_probe.py")
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+from spike_z import mean_std_z  # noqa: E402 - the rule the detector used before
 
 
 def run_in(folder, **settings):
@@ -92,6 +94,21 @@ def test_the_spike_window_resumes_as_it_was():
     off = SpikeDetector(torch.device("cpu"), zscore=0.0, window=8)  # spike_zscore: 0 turns detection off
     assert not any(off.check(step, torch.tensor(float(step % 2))).item() for step in range(1, 30))
     assert off.since_last_log() == [] and off.total() == 0
+
+
+def test_a_spike_while_the_loss_still_descends_is_named():
+    """The new user's run: the loss falling from 5.4 to 2.8 over 79 steps (a little noise on it), then
+    random tokens at step 80 (7.9). Against the window's mean and standard deviation it scored under 6
+    (the descent inflated the deviation) and went unnamed; against the level just before it and the
+    spread of the step-to-step changes it is named, and no step of the descent is."""
+    noise = torch.randn(79, generator=torch.Generator().manual_seed(0)) * 0.03
+    descent = torch.linspace(5.4, 2.8, 79) + noise
+    assert mean_std_z(descent, torch.tensor(7.9)) < 6  # the old rule's miss
+    detector = SpikeDetector(torch.device("cpu"), zscore=6.0, window=100)
+    for step, loss in enumerate([*descent, torch.tensor(7.9)], 1):
+        detector.check(step, loss)
+    [(step, z)] = detector.since_last_log()
+    assert step == 80 and z > 50, z
 
 
 def busy(seconds: float) -> subprocess.Popen:
