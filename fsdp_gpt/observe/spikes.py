@@ -26,10 +26,15 @@ MAD_TO_STD = 1.4826  # a normal distribution's standard deviation per median abs
 def z_score(history: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
     """How many noise levels `loss` lies above the level of `history` (earlier losses, oldest first,
     NaN where a step's loss was not finite): 0-dim, NaN where history is too short to tell."""
-    level = history[-RECENT:].nanmedian()
+    def median(t: torch.Tensor) -> torch.Tensor:
+        # along a dimension: a kernel with no host sync on CUDA in every supported torch (the
+        # whole-tensor form counted its NaNs on the host in some versions)
+        return t.nanmedian(dim=0).values
+
+    level = median(history[-RECENT:])
     changes = history[1:] - history[:-1]  # NaN next to a hole
     # a change is the difference of two noisy losses: its spread is sqrt(2) times one loss's
-    noise = MAD_TO_STD * (changes - changes.nanmedian()).abs().nanmedian() / 2 ** 0.5
+    noise = MAD_TO_STD * median((changes - median(changes)).abs()) / 2 ** 0.5
     return (loss - level) / noise
 
 
