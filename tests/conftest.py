@@ -91,8 +91,9 @@ def launch(argv: list[str], cwd, nproc: int = 1, env: dict | None = None, timeou
            launcher: list[str] | None = None) -> subprocess.CompletedProcess:
     """`python argv...` on nproc ranks: through a zygote, which starts ranks as torchrun would
     without importing torch for each, unless an explicit `launcher` command or the GPUs (which
-    the zygote hides) are asked for."""
+    the zygote hides) are asked for. An `env` value of None unsets that variable."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1") | (env or {})
+    env = {name: value for name, value in env.items() if value is not None}
     if launcher is None and env.get("CUDA_VISIBLE_DEVICES") == "":
         return run_in_zygote(argv, str(cwd), env, nproc, timeout)
     cmd = (launcher or trainer_cmd(nproc)[:-1]) + argv

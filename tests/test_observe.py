@@ -169,7 +169,7 @@ def wandb_history(run_folder: str) -> tuple[str, dict[int, dict]]:
 
 @pytest.mark.slow
 def test_wandb_logs_tensorboards_scalars_and_a_resumed_run_continues_it(corpus, tmp_path):
-    env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DIR": "", "WANDB_RUN_ID": ""}  # none of the user's
+    env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DIR": None, "WANDB_RUN_ID": None}  # none of the user's
     settings = dict(wandb_project="fsdp-gpt-test", wandb_name="tiny", max_iters=4, save_interval=2, **corpus)
     run_trainer(str(tmp_path), nproc=2, env=env, **settings)
     run_trainer(str(tmp_path), env=env, **settings | dict(max_iters=6, resume_from="latest"))
