@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 from fsdp_gpt.checkpoint.fsdp_ckpt import CheckpointManager
-from fsdp_gpt.config import UserError, parse_args, to_yaml, validate
+from fsdp_gpt.config import UserError, to_yaml, validate
+from fsdp_gpt.config_parse import parse_args
 from fsdp_gpt.config_help import help_text
 from fsdp_gpt.data.loader import BatchLoader
 from fsdp_gpt.data.prepare import prepare_sources
@@ -30,6 +31,7 @@ from fsdp_gpt.observe.spikes import SpikeDetector, check_skip
 from fsdp_gpt.observe.step_times import StepTimes
 from fsdp_gpt.observe.wandb_log import run_id
 from fsdp_gpt.optim.build import build_optimizer
+from fsdp_gpt.optim.expert_balance import ExpertBalance
 from fsdp_gpt.optim.schedule import lr_at
 from fsdp_gpt.resilience.guard import NonFiniteGuard
 from fsdp_gpt.resilience.stop import StopRequest
@@ -90,9 +92,9 @@ def forward_backward(model, loader: BatchLoader, step: int, accum_steps: int, ti
     return loss_sum / (accum_steps * world)
 
 
-def run_state(loader: BatchLoader, step: int, spikes: SpikeDetector, wandb_id: str | None) -> dict:
+def run_state(loader: BatchLoader, step: int, spikes: SpikeDetector, balance: ExpertBalance, wandb_id: str | None) -> dict:
     """The loop's state a checkpoint keeps beside the weights (fsdp_ckpt.py: train_state)."""
-    return {"data": data_state(loader, step), "spikes": spikes.state(), "wandb_run_id": wandb_id}
+    return {"data": data_state(loader, step), "spikes": spikes.state(), "moe": balance.state(), "wandb_run_id": wandb_id}
 
 
 def due(step: int, interval: int, cfg) -> bool:
@@ -118,7 +120,8 @@ def train(cfg) -> int:
     mc_sets = load_mc_sets(cfg, topo)
     if topo.is_main:
         describe_run(cfg, topo, accum_steps, dtype)
-    model = build_model(cfg, GPTConfig(**cfg.model_shape, dropout=cfg.dropout, zero_init_proj=cfg.zero_init_proj), topo)
+    model = build_model(cfg, GPTConfig(**cfg.model_shape, dropout=cfg.dropout, zero_init_proj=cfg.zero_init_proj,
+                                       moe_aux_loss=cfg.moe_aux_loss), topo)
     gpt = getattr(model, "module", model)  # the GPT under a DDP wrapper; FSDP2 keeps the module itself
     optimizer = build_optimizer(cfg, gpt, device)
     ckpt = CheckpointManager(cfg, topo)
@@ -130,6 +133,8 @@ def train(cfg) -> int:
                                     dtype, topo.world_size, resumed_at=step, wandb_id=wandb_id))
     spikes = SpikeDetector(device, cfg.spike_zscore, cfg.spike_window)
     spikes.load(ckpt.train_state.get("spikes"))
+    balance = ExpertBalance(gpt, cfg.moe_bias_rate)  # the experts' loads (and biases) after each step
+    balance.load_state(ckpt.train_state.get("moe"), device)
     times = StepTimes(device)
     separator = loader.separator if cfg.doc_mask else None  # doc_mask: attention stops at it
     profiling = Profiling(cfg, rank, device, watchdog.arm)
@@ -159,17 +164,19 @@ def train(cfg) -> int:
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
+            balance.step()
             times.end()
             profiling.end(step)
             if due(step, cfg.log_interval, cfg):
                 grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
                 log.train(step, loss.item(), lr, grad_norm.item(), per_rank_stats(model, optimizer, device, times.row()),
-                          guard.skipped_steps(), loader.read(step), spikes.since_last_log(), spikes.total())
+                          guard.skipped_steps(), loader.read(step) | balance.scalars(), spikes.since_last_log(),
+                          spikes.total())
                 guard.stop_if_too_many(loader.position(step), ckpt.last_saved)
             if request := stop.agreed():
                 # the checkpoint first, no eval or text sample: the grace period before SIGKILL is short
                 watchdog.arm(f"the save of step {step}")
-                ckpt.save(step, model, optimizer, run_state(loader, step, spikes, wandb_id))
+                ckpt.save(step, model, optimizer, run_state(loader, step, spikes, balance, wandb_id))
                 if topo.is_main:
                     print(f"{request}: stopped after step {step} with its checkpoint saved", flush=True)
                 break
@@ -179,7 +186,7 @@ def train(cfg) -> int:
                 log.start(step)  # tokens/s and ETA count training time only
             if due(step, cfg.save_interval, cfg):
                 watchdog.arm(f"the save of step {step}")
-                ckpt.save(step, model, optimizer, run_state(loader, step, spikes, wandb_id))
+                ckpt.save(step, model, optimizer, run_state(loader, step, spikes, balance, wandb_id))
                 log.start(step)
     profiling.close()
     watchdog.arm("the last save")

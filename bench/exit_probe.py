@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from fsdp_gpt.config import parse_args  # noqa: E402
+from fsdp_gpt.config_parse import parse_args  # noqa: E402
 from fsdp_gpt.distributed.launch import init_distributed, run_entry_point  # noqa: E402
 from fsdp_gpt.model import GPTConfig  # noqa: E402
 from fsdp_gpt.distributed.parallelize import build_model  # noqa: E402

@@ -25,7 +25,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from fsdp_gpt.distributed.shards import dim0_shard  # noqa: E402
 from fsdp_gpt.checkpoint.ckpt_index import build_index, files_to_open, model_key, state_key, wanted_rows  # noqa: E402
-from fsdp_gpt.config import UserError, exit_code, parse_args  # noqa: E402
+from fsdp_gpt.config import UserError, exit_code  # noqa: E402
+from fsdp_gpt.config_parse import parse_args  # noqa: E402
 from fsdp_gpt.model import GPT, GPTConfig  # noqa: E402
 from fsdp_gpt.optim.muon import is_muon_matrix, newton_schulz_share  # noqa: E402
 

@@ -24,7 +24,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from fsdp_gpt.config import parse_args  # noqa: E402
+from fsdp_gpt.config_parse import parse_args  # noqa: E402
 from fsdp_gpt.data.prepare import prepare_data  # noqa: E402
 from fsdp_gpt.data.loader import BatchLoader  # noqa: E402
 from fsdp_gpt.model import GPT, GPTConfig  # noqa: E402

@@ -3,7 +3,6 @@
 Validated once, here; everything downstream reads typed attributes.
 """
 import dataclasses
-import difflib
 import os
 import sys
 import typing
@@ -40,10 +39,12 @@ LR_SCHEDULES = ("cosine", "wsd", "constant")
 DECAY_SHAPES = ("linear", "1-sqrt")
 # arch first: a checkpoint of the other layout is reported as that, not as its first consequence (bias)
 MODEL_SHAPE_KEYS = ("arch", "vocab_size", "block_size", "n_layer", "n_head", "n_embd", "bias", "n_kv_head",
-                    "rope_theta", "rope_scaling", "qk_norm", "tie_embeddings", "ffn_hidden", "norm_eps", "mlp", "logit_softcap", "value_embeds", "head_dim")
+                    "rope_theta", "rope_scaling", "qk_norm", "tie_embeddings", "ffn_hidden", "norm_eps", "mlp", "logit_softcap", "value_embeds", "head_dim",
+                    "moe_experts", "moe_top_k", "moe_hidden", "moe_shared", "moe_dense_layers", "moe_score", "moe_norm_top_k")
 MLPS = ("gelu", "swiglu", "relu2")
 MUON_COEFFICIENTS = ("quintic", "polar_express")
 ARCHS = ("gpt2", "llama")
+MOE_SCORES = ("softmax", "sigmoid")
 
 
 def key(default, meaning: str):
@@ -84,6 +85,18 @@ class TrainConfig:
     zero_init_proj: bool = key(False, "attention and MLP output projections start at zero")
     value_embeds: int = key(0, "the first N blocks mix an embedding of the input tokens into attention's values "
                                "(a vocab_size-row table each)")
+    moe_experts: int = key(0, "llama: routed experts in each MoE MLP, which replaces the dense one (0: dense; "
+                              "docs/models.md)")
+    moe_top_k: int = key(2, "MoE: experts each token is routed to (every token reaches them: dropless)")
+    moe_hidden: int | None = key(None, "MoE: each expert's hidden width; null: ffn_hidden / moe_top_k")
+    moe_shared: int = key(0, "MoE: shared experts that see every token (one MLP moe_shared x moe_hidden wide)")
+    moe_dense_layers: int = key(0, "MoE: the first N blocks keep a dense MLP (DeepSeek-V3)")
+    moe_score: str = key("softmax", "MoE: the router's scores, softmax (Qwen3, OLMoE) or sigmoid (DeepSeek-V3)")
+    moe_norm_top_k: bool = key(True, "MoE: renormalise the chosen experts' weights to sum to 1")
+    moe_aux_loss: float = key(0.0, "MoE: the load-balancing loss's coefficient (Qwen3's router_aux_loss_coef; 0: "
+                                   "off)")
+    moe_bias_rate: float = key(0.0, "MoE: auxiliary-loss-free balancing, each expert's selection bias moved this much "
+                                    "a step towards the mean load (DeepSeek-V3; 0: off)")
     init_from: str | None = key(None, "a Hugging Face folder (GPT-2, Llama, Qwen3 safetensors) to start from "
                                       "instead of the seed's weights")
     data_path: str = key("data/stdlib_bytes", "prepared data (train.bin, val.bin, meta.json: data.py prepare), or "
@@ -183,84 +196,6 @@ class TrainConfig:
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
-USAGE = "usage: python train_fsdp.py CONFIG.yaml [--key=value ...]   (or under torchrun)"
-
-
-def _parse_cli_value(text: str):
-    """Read a command-line value as a user means it: 3e-3 is a float, null is None."""
-    value = yaml.safe_load(text) if text != "" else ""
-    if isinstance(value, str):
-        try:
-            return float(value)  # YAML 1.1 reads '3e-3' as a string
-        except ValueError:
-            pass
-    return value
-
-
-def _coerce(key: str, value, where: str):
-    allowed = typing.get_args(FIELDS[key].type) or (FIELDS[key].type,)
-    if value is None and type(None) in allowed:
-        return None
-    if isinstance(value, str) and float in allowed:
-        try:
-            value = float(value)
-        except ValueError:
-            pass
-    if float in allowed and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if isinstance(value, float) and int in allowed and value.is_integer() and float not in allowed:
-        return int(value)
-    for t in allowed:
-        if t is not type(None) and type(value) is t:
-            return value
-    names = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
-    raise UserError(f"config key '{key}' ({where}) must be {names}, got {value!r}")
-
-
-def _check_key(key: str, where: str):
-    if key not in FIELDS:
-        near = difflib.get_close_matches(key, FIELDS, n=1)
-        hint = f"; did you mean '{near[0]}'?" if near else ""
-        raise UserError(f"unknown config key '{key}' ({where}){hint}")
-
-
-def parse_args(argv: list[str]) -> TrainConfig:
-    """argv: CONFIG.yaml followed by --key=value or --key value overrides (last one wins)."""
-    if not argv or argv[0].startswith("--"):
-        raise UserError(f"{USAGE}; --help lists the keys")
-    path, rest = argv[0], argv[1:]
-    if not os.path.isfile(path):
-        raise UserError(f"config file not found: {path}")
-    try:
-        with open(path) as f:
-            raw = yaml.safe_load(f) or {}
-    except yaml.YAMLError as e:
-        raise UserError(f"config file {path} is not valid YAML: {str(e).splitlines()[0]}")
-    if not isinstance(raw, dict):
-        raise UserError(f"config file {path} must be a mapping of key: value")
-    values = {}
-    for key, value in raw.items():
-        _check_key(str(key), f"in {path}")
-        values[key] = _coerce(key, value, f"in {path}")
-    i = 0
-    while i < len(rest):
-        arg = rest[i]
-        if not arg.startswith("--"):
-            raise UserError(f"unexpected argument '{arg}': overrides look like --key=value")
-        key, eq, text = arg[2:].partition("=")
-        if not eq:
-            if i + 1 >= len(rest):
-                raise UserError(f"override --{key} needs a value: --{key}=VALUE")
-            i, text = i + 1, rest[i + 1]
-        _check_key(key, f"from --{key}")
-        values[key] = _coerce(key, _parse_cli_value(text), f"from --{key}")
-        i += 1
-    cfg = TrainConfig(**values)
-    cfg.given = frozenset(values)  # the keys the file or the command line set (init_from may set the others)
-    validate(cfg)
-    return cfg
-
-
 def named_paths(paths: list[str]) -> dict[str, str]:
     """Files named as their logs are (eval/{name}/acc): each file's name up to its first dot."""
     return {os.path.basename(path).split(".")[0]: path for path in paths}
@@ -297,6 +232,7 @@ def validate(cfg: TrainConfig) -> None:
     check_rope_scaling(cfg.rope_scaling, "rope_scaling")
     require(cfg.ffn_hidden is None or cfg.ffn_hidden > 0, f"ffn_hidden must be positive, got {cfg.ffn_hidden}")
     require(0 <= cfg.value_embeds <= cfg.n_layer, f"value_embeds must be 0 to n_layer={cfg.n_layer}, got {cfg.value_embeds}")
+    check_moe(cfg)
     require(cfg.mlp is None or cfg.mlp in MLPS, f"mlp '{cfg.mlp}' is not one of {', '.join(MLPS)}")
     require(cfg.logit_softcap is None or cfg.logit_softcap > 0,
             f"logit_softcap must be positive (or null: off), got {cfg.logit_softcap}")
@@ -345,6 +281,30 @@ def validate(cfg: TrainConfig) -> None:
                 f"{name} must be [first, last] steps, 1 <= first <= last, got {window!r}")
     require(cfg.max_skipped_steps >= 1, f"max_skipped_steps must be 1 or more, got {cfg.max_skipped_steps}")
     validate_mixture(cfg)
+
+
+def check_moe(cfg: TrainConfig) -> None:
+    """The mixture's keys: built for the Llama layout's SwiGLU experts, trained with AdamW."""
+    if not cfg.moe_experts:
+        moe = [f.name for f in dataclasses.fields(cfg) if f.name.startswith("moe_") and getattr(cfg, f.name) != f.default]
+        if moe:
+            raise UserError(f"{', '.join(moe)} configure experts: set moe_experts (0 means a dense MLP)")
+        return
+    checks = ((cfg.moe_experts > 0, f"moe_experts must be 0 (dense) or more, got {cfg.moe_experts}"),
+              (cfg.arch == "llama" and cfg.mlp in (None, "swiglu"), "MoE layers are built for arch: llama with its "
+               "SwiGLU MLP (not GPT-2's layout, not mlp: gelu or relu2)"),
+              (1 <= cfg.moe_top_k <= cfg.moe_experts, f"moe_top_k={cfg.moe_top_k} must be 1 to moe_experts={cfg.moe_experts}"),
+              ((cfg.moe_hidden or 1) > 0 and cfg.moe_shared >= 0, "moe_hidden must be positive and moe_shared 0 or more"),
+              (0 <= cfg.moe_dense_layers < cfg.n_layer, f"moe_dense_layers must be 0 to n_layer - 1, got {cfg.moe_dense_layers}"),
+              (cfg.moe_score in MOE_SCORES, f"moe_score '{cfg.moe_score}' is not one of {', '.join(MOE_SCORES)}"),
+              (cfg.moe_aux_loss >= 0 and cfg.moe_bias_rate >= 0, "moe_aux_loss and moe_bias_rate must be 0 (off) or more"),
+              (cfg.optimizer == "adamw", "optimizer: muon with moe_experts is not built yet (the experts' stacked "
+               "matrices): use optimizer: adamw"),
+              (cfg.cp_size == 1 or not cfg.moe_aux_loss, "moe_aux_loss with cp_size > 1 is not built (each rank would "
+               "balance its slice of the rows): use moe_bias_rate"))
+    for ok, message in checks:
+        if not ok:
+            raise UserError(message)
 
 
 def check_context_parallel(cfg: TrainConfig) -> None:

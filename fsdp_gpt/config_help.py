@@ -4,7 +4,8 @@ import dataclasses
 import textwrap
 import typing
 
-from fsdp_gpt.config import FIELDS, USAGE
+from fsdp_gpt.config import FIELDS
+from fsdp_gpt.config_parse import USAGE
 
 # each group's first key, in the dataclass's order: --help and docs/config.md list the keys so
 GROUPS = {"arch": "model", "data_path": "data", "train_batch": "batch", "optimizer": "optimizer and schedule",

@@ -39,6 +39,9 @@ HF_ACTIVATIONS = {("gpt2", "gelu"): "gelu_new", ("gpt2", "relu2"): "relu2", ("ll
 def hf_config(cfg: GPTConfig, eot: int | None) -> dict:
     """config.json's keys for our model; a model Hugging Face's classes would compute differently
     is refused, naming the key, rather than exported wrong."""
+    if cfg.moe_experts:
+        raise UserError(f"moe_experts: {cfg.moe_experts}: the export of mixture-of-experts models (Qwen3-MoE) is not "
+                        f"built yet; evaluate.py and sample.py read the checkpoint as it is")
     if cfg.logit_softcap:
         raise UserError(f"logit_softcap: {cfg.logit_softcap}: {hf_architecture(cfg)} has no logit soft cap, so "
                         f"an export would compute other logits")

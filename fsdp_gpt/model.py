@@ -16,6 +16,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from fsdp_gpt.moe import MoE
+
 
 @dataclass
 class GPTConfig:
@@ -39,6 +41,14 @@ class GPTConfig:
     zero_init_proj: bool = False  # output projections start at zero: each block starts as the identity
     value_embeds: int = 0  # the first value_embeds blocks add an embedding of the input tokens to attention's v
     head_dim: int | None = None  # None: n_embd // n_head (Qwen3 sets its own: heads x head_dim may differ from n_embd)
+    moe_experts: int = 0  # llama: routed experts per MoE MLP (0: dense MLPs)
+    moe_top_k: int = 2  # experts each token is routed to
+    moe_hidden: int | None = None  # each expert's hidden width; None: ffn_hidden / moe_top_k (the dense MLP's active width)
+    moe_shared: int = 0  # shared experts (one SwiGLU MLP moe_shared x moe_hidden wide) that see every token
+    moe_dense_layers: int = 0  # the first blocks keep a dense MLP (DeepSeek-V3)
+    moe_score: str = "softmax"  # the router's scores: softmax (Qwen3, OLMoE) or sigmoid (DeepSeek-V3)
+    moe_norm_top_k: bool = True  # the chosen experts' weights renormalised to sum to 1
+    moe_aux_loss: float = 0.0  # training: the load-balancing loss's coefficient (Qwen3's router_aux_loss_coef)
 
     def __post_init__(self):
         self.n_kv_head = self.n_kv_head or self.n_head
@@ -48,6 +58,7 @@ class GPTConfig:
         if self.ffn_hidden is None:
             self.ffn_hidden = 256 * -(-(8 * self.n_embd // 3) // 256) if self.mlp == "swiglu" else 4 * self.n_embd
         self.head_dim = self.head_dim or self.n_embd // self.n_head
+        self.moe_hidden = self.moe_hidden or max(self.ffn_hidden // self.moe_top_k, 1)
 
 
 def norm(cfg: GPTConfig, width: int) -> nn.Module:
@@ -173,11 +184,12 @@ ACTIVATIONS = {
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, hidden: int | None = None):
         super().__init__()
         self.activation, outputs = ACTIVATIONS[cfg.mlp]
-        self.c_fc = nn.Linear(cfg.n_embd, outputs * cfg.ffn_hidden, bias=cfg.bias)
-        self.c_proj = nn.Linear(cfg.ffn_hidden, cfg.n_embd, bias=cfg.bias)
+        hidden = hidden or cfg.ffn_hidden
+        self.c_fc = nn.Linear(cfg.n_embd, outputs * hidden, bias=cfg.bias)
+        self.c_proj = nn.Linear(hidden, cfg.n_embd, bias=cfg.bias)
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -190,7 +202,11 @@ class DecoderBlock(nn.Module):
         self.ln_1 = norm(cfg, cfg.n_embd)
         self.attn = CausalSelfAttention(cfg, layer)
         self.ln_2 = norm(cfg, cfg.n_embd)
-        self.mlp = MLP(cfg)
+        if cfg.moe_experts and layer >= cfg.moe_dense_layers:
+            shared = MLP(cfg, cfg.moe_shared * cfg.moe_hidden) if cfg.moe_shared else None
+            self.mlp = MoE(cfg, ACTIVATIONS["swiglu"][0], shared)
+        else:
+            self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
                 idx: torch.Tensor | None = None, opens: torch.Tensor | None = None) -> torch.Tensor:
@@ -228,7 +244,7 @@ class GPT(nn.Module):
         """GPT-2 initialisation; residual projections scaled by 1/sqrt(2 * n_layer), or zero
         (zero_init_proj: every block starts as the identity, as in modded-nanogpt)."""
         for name, p in self.named_parameters():
-            if name.endswith("c_proj.weight"):
+            if name.endswith(("c_proj.weight", "experts.c_proj")):
                 std = 0.0 if self.config.zero_init_proj else 0.02 / math.sqrt(2 * self.config.n_layer)
                 nn.init.normal_(p, mean=0.0, std=std)
             elif p.dim() >= 2:
@@ -270,20 +286,33 @@ class GPT(nn.Module):
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+            if self.config.moe_aux_loss and self.training:
+                balancing = self.config.moe_aux_loss * torch.stack([m.aux_loss for m in self.moe_layers()]).mean()
+                # the value stays the language-modelling loss (what is logged and compared with dense
+                # runs): x - x.detach() is exactly 0, and it carries the balancing term's gradient
+                loss = loss + (balancing - balancing.detach())
         return logits, loss
+
+    def moe_layers(self) -> list[MoE]:
+        return [block.mlp for block in self.blocks if isinstance(block.mlp, MoE)]
 
     def num_params(self, exclude_position_embedding: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())  # tied weights counted once
         return n - self.wpe.weight.numel() if exclude_position_embedding and hasattr(self, "wpe") else n
 
+    def idle_expert_params(self) -> int:
+        """The routed experts' weights a token does not use: all of them but its top-k, in every MoE layer."""
+        return sum(m.expert_params() * (m.n_experts - m.top_k) for m in self.moe_layers())
+
     def flops_per_token(self) -> int:
         """Training FLOPs per token: forward + backward = 3x the forward's matmuls.
 
-        Forward: 2 FLOPs per weight of every Linear (LM head included), plus the
-        attention products QK^T and AV, 2 * 2 * T * n_embd per layer at full context.
+        Forward: 2 FLOPs per weight of every Linear (LM head included) and of each token's top-k
+        experts, plus the attention products QK^T and AV, 2 * 2 * T * n_embd per layer at full context.
         """
         cfg = self.config
         matmul_weights = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
+        matmul_weights += sum(m.top_k * m.expert_params() for m in self.moe_layers())
         attention = 4 * cfg.n_layer * cfg.block_size * cfg.n_head * cfg.head_dim  # GQA or not
         return 3 * (2 * matmul_weights + attention)
 

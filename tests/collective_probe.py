@@ -13,7 +13,7 @@ from torch.distributed.fsdp._fully_shard import _fsdp_collectives
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_fsdp  # noqa: E402
-from fsdp_gpt.config import parse_args  # noqa: E402
+from fsdp_gpt.config_parse import parse_args  # noqa: E402
 from fsdp_gpt.distributed.launch import run_entry_point  # noqa: E402
 
 GRADIENT_COLLECTIVES = ("reduce_scatter_single", "reduce_scatter_tensor", "all_reduce")

@@ -6,7 +6,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from fsdp_gpt.config import parse_args  # noqa: E402
+from fsdp_gpt.config_parse import parse_args  # noqa: E402
 from fsdp_gpt.model import GPTConfig  # noqa: E402
 from fsdp_gpt.distributed.launch import init_distributed, run_entry_point  # noqa: E402
 from fsdp_gpt.distributed.parallelize import build_model  # noqa: E402

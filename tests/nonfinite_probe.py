@@ -10,7 +10,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from fsdp_gpt import model  # noqa: E402
 import train_fsdp  # noqa: E402
-from fsdp_gpt.config import parse_args  # noqa: E402
+from fsdp_gpt.config_parse import parse_args  # noqa: E402
 from fsdp_gpt.distributed.launch import run_entry_point  # noqa: E402
 
 STEPS = {int(s) for s in os.environ["NONFINITE_STEPS"].split(",")}

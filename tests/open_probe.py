@@ -11,7 +11,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_fsdp  # noqa: E402
 from fsdp_gpt.checkpoint.ckpt_format import SHARD_RE  # noqa: E402
-from fsdp_gpt.config import parse_args  # noqa: E402
+from fsdp_gpt.config_parse import parse_args  # noqa: E402
 from fsdp_gpt.distributed.launch import run_entry_point  # noqa: E402
 
 opened = []

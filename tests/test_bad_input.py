@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 
 import train_fsdp
-from fsdp_gpt.config import exit_code, parse_args
+from fsdp_gpt.config import exit_code
+from fsdp_gpt.config_parse import parse_args
 from conftest import DEMO, ROOT, TINY, overrides, run_trainer
 
 
@@ -53,6 +54,10 @@ def one_line(code, capsys, *phrases):
     ({"arch": "llama", "n_head": 4, "n_kv_head": 3}, ["n_kv_head=3 must divide n_head=4"]),
     ({"arch": "llama", "n_head": 2, "n_embd": 66}, ["head dimension n_embd / n_head = 33 must be even for RoPE"]),
     ({"qk_norm": True}, ["need arch: llama"]),
+    ({"arch": "llama", "moe_experts": 4, "moe_top_k": 5}, ["moe_top_k=5 must be 1 to moe_experts=4"]),
+    ({"moe_experts": 4}, ["MoE layers are built for arch: llama"]),
+    ({"moe_top_k": 1}, ["moe_top_k configure experts: set moe_experts"]),
+    ({"arch": "llama", "moe_experts": 4, "optimizer": "muon"}, ["optimizer: muon with moe_experts is not built yet"]),
     ({"init_from": "no/such/folder"}, ["init_from: no/such/folder/ has no config.json"]),
     ({"sharding_strategy": "HYBRID_SHARD", "fsdp_size": 2}, ["HYBRID_SHARD with fsdp_size=2 needs at least 2 ranks"]),
     ({"data_source": None, "data_path": "no/such/folder"}, ["no prepared data in 'no/such/folder'"]),

@@ -7,7 +7,7 @@ import pytest
 from fsdp_gpt.checkpoint.ckpt_format import CorruptCheckpoint
 from fsdp_gpt.distributed.shards import dim0_shard
 from fsdp_gpt.checkpoint.ckpt_index import build_index, check_whole, files_to_open
-from fsdp_gpt.config import parse_args
+from fsdp_gpt.config_parse import parse_args
 from conftest import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))

@@ -1,7 +1,8 @@
 """Config: defaults < YAML < --key=value, values read as a user means them."""
 import pytest
 
-from fsdp_gpt.config import TrainConfig, UserError, parse_args
+from fsdp_gpt.config import TrainConfig, UserError
+from fsdp_gpt.config_parse import parse_args
 from conftest import DEMO
 
 

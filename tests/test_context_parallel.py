@@ -6,7 +6,8 @@ import re
 import pytest
 
 from conftest import DEMO, RUN, checkpoint_of, run_trainer, scalars
-from fsdp_gpt.config import UserError, parse_args
+from fsdp_gpt.config import UserError
+from fsdp_gpt.config_parse import parse_args
 
 TAGS = ("train/loss", "train/grad_norm", "val/loss")
 

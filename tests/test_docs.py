@@ -116,7 +116,7 @@ def commands_in_docs():
 
 def test_text_blocks_name_real_keys_and_files():
     """Commands shown but not run still name files that exist and config keys that parse."""
-    from fsdp_gpt.config import parse_args
+    from fsdp_gpt.config_parse import parse_args
     checked = 0
     for doc, words in commands_in_docs():
         scripts = [w for w in words if w.endswith((".py", ".sh")) and not w.startswith("-")]

@@ -20,7 +20,7 @@ from fsdp_gpt import model as model_module
 from fsdp_gpt.optim import muon
 from fsdp_gpt.distributed import precision
 import train_fsdp
-from fsdp_gpt.config import parse_args
+from fsdp_gpt.config_parse import parse_args
 from conftest import DEMO, ROOT, trainer_cmd
 from fsdp_gpt.data.prepare import prepare_data
 from fsdp_gpt.evaluation.val_loss import val_loss_sums

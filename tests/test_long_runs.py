@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from fsdp_gpt.optim import schedule
-from fsdp_gpt.config import TrainConfig, parse_args
+from fsdp_gpt.config import TrainConfig
+from fsdp_gpt.config_parse import parse_args
 from conftest import DEMO, ROOT, RUN, TINY, checkpoint_of, evaluated, launcher_once, run_trainer, scalars, shared, tool
 from fsdp_gpt.data.prepare import prepare_data
 

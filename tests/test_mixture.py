@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from fsdp_gpt.data import prepare as data
-from fsdp_gpt.config import UserError, parse_args
+from fsdp_gpt.config import UserError
+from fsdp_gpt.config_parse import parse_args
 from conftest import DEMO
 from fsdp_gpt.data.loader import BatchLoader
 from fsdp_gpt.data.mixture import Mixture, Segment, cycle, resumed_segment, shuffled

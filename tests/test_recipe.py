@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from fsdp_gpt.config import parse_args
+from fsdp_gpt.config_parse import parse_args
 from conftest import DEMO, ROOT, RUN, checkpoint_of, launcher_once, run_trainer, scalars
 from fsdp_gpt.model import GPT, GPTConfig
 

@@ -27,8 +27,9 @@ def build_model(cfg, gpt_cfg: GPTConfig, topo: Topology) -> torch.nn.Module:
     with torch.device("meta"):
         model = GPT(gpt_cfg)
     if topo.is_main:  # before the (for large models, long) initialisation
-        n_params = model.num_params()
-        print(f"parameters: {n_params:,} ({n_params / 1e6:.1f}M)", flush=True)
+        n_params, idle = model.num_params(), model.idle_expert_params()
+        active = f", {n_params - idle:,} active per token ({(n_params - idle) / 1e6:.1f}M)" if idle else ""
+        print(f"parameters: {n_params:,} ({n_params / 1e6:.1f}M){active}", flush=True)
     if topo.cp_size > 1:
         apply_context_parallel(model, topo.cp_group, topo.cp_size)
     model.activation_checkpointing = cfg.activation_checkpointing

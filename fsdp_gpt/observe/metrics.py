@@ -119,7 +119,7 @@ class ProgressLog:
               data: dict[str, float], spikes: list[tuple[int, float]], spike_count: int) -> None:
         """per_rank: per_rank_stats() with step times; memory: the console shows the largest rank,
         TensorBoard every rank. skipped: non-finite steps skipped so far; data: a mixture's
-        data/{source}/... scalars; spikes: (step, z) of the loss spikes since the last line, of
+        data/{source}/... and the MoE layers' moe/... scalars; spikes: (step, z) of the loss spikes since the last line, of
         spike_count in the run."""
         if not self.enabled:
             return
@@ -161,6 +161,8 @@ class ProgressLog:
                     f"{compute_ms:.0f} ms a step)")
         skip = ", update skipped" if self.spike_skip else ""
         spiked = "".join(f" | loss spike at step {s} (z {z:.1f}{skip})" for s, z in spikes)
+        if "moe/busiest" in data:  # the worst MoE layer's: docs/models.md
+            spiked = f" | experts busiest {data['moe/busiest']:.2f}x, idle {100 * data['moe/idle']:.0f}%" + spiked
         print(f"step {step}/{self.max_iters} | loss {loss:.4f} | lr {lr:.2e} | {tokens_per_sec:,.0f} tok/s "
               f"| MFU {mfu} | mem {largest['peak']:.2f} GB{reserved} | ETA {eta}{skips}{spiked}{late}", flush=True)
 

@@ -7,10 +7,12 @@ from fsdp_gpt.optim.muon import MuonWithAdamW, is_muon_matrix
 
 def parameter_groups(gpt: GPT) -> tuple[dict, dict]:
     """{name: parameter} with weight decay (matmul and embedding weights), and without (biases,
-    norms' weights, value_mix: every 1-D parameter)."""
+    norms' weights, value_mix: every 1-D parameter). Parameters without gradients (the experts'
+    selection bias, moved by the loop) are no optimizer's."""
     decay, no_decay = {}, {}
     for name, p in gpt.named_parameters():
-        (no_decay if p.dim() < 2 else decay)[name] = p
+        if p.requires_grad:
+            (no_decay if p.dim() < 2 else decay)[name] = p
     return decay, no_decay
 
 

@@ -1,0 +1,130 @@
+"""A mixture-of-experts MLP in plain PyTorch (Qwen3-MoE, OLMoE, DeepSeek-V3): a router picks each
+token's top-k experts, every token reaches all of them (dropless token choice: no capacity, nothing
+dropped), and the experts' weights are stacked so that one grouped matmul serves them all. Shared
+experts, where configured, see every token. No distributed code lives here: what runs the experts on
+the tokens routed to them (`run_experts`) is replaceable from outside, as attention's core is.
+"""
+import torch
+import torch.nn as nn
+
+
+def _torch_version() -> tuple[int, int]:
+    return tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+
+
+def grouped_mm_runs(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether torch._grouped_mm computes x's groups against w's experts here: on CUDA in bf16 from
+    sm90 (H100) on; on CPU from torch 2.13 (fp32 and bf16; torch 2.8 has no CPU kernel). It wants each
+    matrix's rows 16-byte aligned (widths x itemsize multiples of 16); torch.compile traces it in bf16
+    only (its shape function refuses fp32 in 2.13). Elsewhere: a matmul per expert."""
+    if not hasattr(torch, "_grouped_mm") or any(n * x.element_size() % 16 for n in w.shape[1:]):
+        return False
+    if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:
+        return False
+    if x.device.type == "cuda":
+        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
+    return x.device.type == "cpu" and _torch_version() >= (2, 13)
+
+
+def expert_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """x (rows, in) grouped by expert, counts[e] rows for expert e; w (experts, out, in) -> (rows, out):
+    each group times its expert's matrix, in one grouped matmul where one runs."""
+    w = w.to(x.dtype)  # under autocast x is in the compute dtype, the stacked weights are not cast for us
+    if grouped_mm_runs(x, w):
+        return torch._grouped_mm(x, w.transpose(-2, -1), offs=counts.cumsum(0).to(torch.int32))
+    return torch.cat([rows @ w_e.T for rows, w_e in zip(x.split(counts.tolist()), w)])
+
+
+class GroupedExperts(nn.Module):
+    """`experts` SwiGLU MLPs of hidden width `hidden`, their weights stacked along dim 0: c_fc
+    (experts, 2 hidden, width) holds each expert's gate rows then its up rows, c_proj (experts, width,
+    hidden). FSDP shards dim 0, so a rank holds whole experts wherever the count allows."""
+
+    def __init__(self, experts: int, width: int, hidden: int, activation):
+        super().__init__()
+        self.c_fc = nn.Parameter(torch.empty(experts, 2 * hidden, width))
+        self.c_proj = nn.Parameter(torch.empty(experts, width, hidden))
+        self.activation = activation
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x (rows, width) grouped by expert (counts[e] rows each) -> (rows, width)."""
+        return expert_matmul(self.activation(expert_matmul(x, self.c_fc, counts)), self.c_proj, counts)
+
+
+def run_local(experts: GroupedExperts, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Every expert on this process: the grouped rows straight through (expert parallelism replaces this)."""
+    return experts(x, counts)
+
+
+class MoE(nn.Module):
+    """The MLP of a DecoderBlock as a mixture: routed experts, optionally shared experts beside them.
+
+    expert_bias: DeepSeek-V3's auxiliary-loss-free balancing, a per-expert bias added to the scores
+    for the choice of experts only (the weights stay the scores'); a parameter without gradient that
+    the training loop moves (optim/expert_balance.py), so checkpoints keep and reshard it as any other.
+    While training, each forward leaves its routing's figures for that loop: the token count of each
+    expert, the load-balancing loss (aux_loss, with its gradient) and one forward counted."""
+
+    def __init__(self, cfg, activation, shared: nn.Module | None = None):
+        super().__init__()
+        self.n_experts, self.top_k, self.score, self.norm_top_k = cfg.moe_experts, cfg.moe_top_k, cfg.moe_score, cfg.moe_norm_top_k
+        self.router = nn.Linear(cfg.n_embd, cfg.moe_experts, bias=False)
+        self.experts = GroupedExperts(cfg.moe_experts, cfg.n_embd, cfg.moe_hidden, activation)
+        self.shared = shared
+        self.expert_bias = nn.Parameter(torch.empty(cfg.moe_experts), requires_grad=False)
+        self.run_experts = run_local  # replaceable from outside
+        self.aux_loss, self.pending = None, None
+
+    def expert_params(self) -> int:
+        """One routed expert's weights."""
+        return (self.experts.c_fc.numel() + self.experts.c_proj.numel()) // self.n_experts
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (N, width) -> the chosen experts (N, k), their weights (N, k) and every expert's
+        score (N, experts). In fp32: a bf16 router flips near-ties between experts."""
+        scores = self.router(x).float()
+        scores = scores.softmax(-1) if self.score == "softmax" else scores.sigmoid()
+        chosen = torch.topk(scores + self.expert_bias.float(), self.top_k, dim=-1).indices
+        weights = scores.gather(-1, chosen)
+        if self.norm_top_k:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return chosen, weights, scores
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        x = x.reshape(B * T, C)
+        chosen, weights, scores = self.route(x)
+        experts = scores.shape[-1]
+        # each token once per chosen expert, grouped by expert: a stable sort keeps token order inside a group
+        flat = chosen.flatten()  # (N k)
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=experts)
+        rows = x.unsqueeze(1).expand(-1, self.top_k, -1).reshape(-1, C)[order]
+        out = self.run_experts(self.experts, rows, counts)
+        # back to token order by the inverse permutation, then a weighted sum over each token's k
+        # results: no index_add_ over repeated indices, whose order (and so its sum) is not deterministic
+        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+        y = (out[inverse].view(B * T, self.top_k, C) * weights.unsqueeze(-1).to(out.dtype)).sum(1)
+        if self.shared is not None:
+            y = y + self.shared(x)
+        if self.training:
+            self._record(counts, scores)
+        return y.view(B, T, C)
+
+    def _record(self, counts: torch.Tensor, scores: torch.Tensor) -> None:
+        """The load-balancing loss of this forward (Qwen3's, Switch Transformer's with top-k: experts x
+        the sum over experts of their share of tokens x their mean score, top_k at perfect balance), and
+        the figures the step's balancing sums. Activation checkpointing runs a forward twice: every
+        count doubles alike, so the shares the loop takes from them hold."""
+        tokens = scores.shape[0]
+        probs = scores if self.score == "softmax" else scores / scores.sum(-1, keepdim=True)
+        self.aux_loss = scores.shape[-1] * (counts.float() / tokens * probs.mean(0)).sum()
+        figures = torch.cat([counts.float(), self.aux_loss.detach().reshape(1), counts.new_ones(1, dtype=torch.float)])
+        self.pending = figures if self.pending is None else self.pending + figures
+
+    def take_pending(self) -> torch.Tensor:
+        """The counts (experts), aux loss sum and forwards summed since the last take; then none."""
+        none = torch.zeros(self.n_experts + 2, device=self.router.weight.device)
+        taken = self.pending if self.pending is not None else none
+        self.pending = None
+        return taken

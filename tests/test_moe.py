@@ -1,0 +1,182 @@
+"""Mixture-of-experts MLPs: the layer against a token-by-token reference, the grouped matmul against a
+matmul per expert, routing that leaves experts (or all but one) without tokens, the balancing loss and
+bias; then trained runs: 2 and 3 ranks against one process, the bitwise and the resharded resume, and
+the tools on an MoE checkpoint."""
+import os
+
+import pytest
+import torch
+
+import fsdp_gpt.moe as moe_module
+from conftest import ROOT, checkpoint_of, evaluated, launch, launcher_once, run_trainer, scalars, tool
+from test_bad_input import assert_one_line_error
+from fsdp_gpt.model import GPT, GPTConfig
+from fsdp_gpt.optim.expert_balance import ExpertBalance
+
+SMALL = dict(arch="llama", vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
+
+
+def moe_model(**options) -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(**(SMALL | dict(moe_experts=4, moe_top_k=2) | options)))
+
+
+def reference(moe, x: torch.Tensor) -> torch.Tensor:
+    """Each token on its own: the weighted sum of its top-k experts, plus the shared experts."""
+    chosen, weights, _ = moe.route(x)
+    w1, w2 = moe.experts.c_fc, moe.experts.c_proj
+    rows = []
+    for token, experts, gates in zip(x, chosen, weights):
+        out = sum(g * (w2[e] @ moe.experts.activation(w1[e] @ token)) for e, g in zip(experts.tolist(), gates))
+        rows.append(out + (moe.shared(token) if moe.shared is not None else 0))
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("options", [dict(), dict(moe_shared=1, moe_score="sigmoid"), dict(moe_norm_top_k=False)])
+def test_the_layer_is_each_tokens_weighted_experts(options):
+    moe = moe_model(**options).blocks[0].mlp
+    x = torch.randn(3, 5, 32)
+    assert torch.allclose(moe(x).view(15, 32), reference(moe, x.view(15, 32)), atol=1e-5)
+
+
+def test_every_token_to_two_experts_and_the_grouped_matmul_equals_one_per_expert(monkeypatch):
+    """A bias that sends every token to experts 0 and 1 leaves 2 and 3 without a row; forward and
+    gradients alike through torch._grouped_mm (torch 2.13 on CPU) and through a matmul per expert."""
+    moe = moe_model().blocks[0].mlp
+    with torch.no_grad():
+        moe.expert_bias.copy_(torch.tensor([10.0, 10.0, 0.0, 0.0]))  # selection only: the weights stay the scores'
+    x = torch.randn(2, 8, 32)
+    assert moe_module.grouped_mm_runs(x, moe.experts.c_fc) == (moe_module._torch_version() >= (2, 13))
+    results = []
+    for per_expert in (False, True):
+        if per_expert:
+            monkeypatch.setattr(moe_module, "grouped_mm_runs", lambda *args: False)
+        moe.zero_grad()
+        inputs = x.clone().requires_grad_()
+        y = moe(inputs)
+        (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+        results.append((y.detach(), inputs.grad, moe.experts.c_fc.grad.clone(), moe.router.weight.grad.clone()))
+    for got, expected in zip(*results):
+        assert torch.allclose(got, expected, atol=1e-6)
+    assert results[0][2][2:].abs().sum() == 0 and results[0][2][:2].abs().sum() > 0  # experts 2, 3 got no token
+    assert moe.pending[:4].tolist() == [32.0, 32.0, 0.0, 0.0]  # each forward counted its 16 tokens per expert
+
+
+def test_the_balancing_loss_changes_the_gradient_not_the_loss():
+    x, y = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
+    results = {}
+    for coefficient in (0.0, 0.5):
+        model = moe_model(moe_aux_loss=coefficient)
+        loss = model(x, y)[1]
+        loss.backward()
+        results[coefficient] = loss.item(), model.blocks[0].mlp.router.weight.grad
+    assert results[0.0][0] == results[0.5][0]
+    assert not torch.allclose(results[0.0][1], results[0.5][1])
+    uniform = moe_model()  # a router of zeros scores every expert alike: the loss is top_k at any split
+    with torch.no_grad():
+        for moe in uniform.moe_layers():
+            moe.router.weight.zero_()
+    uniform(x, y)
+    assert [m.aux_loss.item() for m in uniform.moe_layers()] == pytest.approx([2.0, 2.0])
+
+
+def test_the_bias_moves_towards_the_mean_load_and_checkpointing_keeps_the_shares():
+    model = moe_model(moe_dense_layers=1)
+    balance = ExpertBalance(model, bias_rate=0.01)
+    x = torch.randint(0, 64, (4, 16))
+    model(x)
+    model(x)
+    balance.step()
+    once = balance.load.clone()
+    assert once.sum().item() == pytest.approx(1.0) and list(balance.layers) == [1]
+    bias = model.blocks[1].mlp.expert_bias
+    assert torch.equal(bias, 0.01 * torch.sign(0.25 - once[0]))  # under the mean load: up; over it: down
+    model.activation_checkpointing = True  # each forward may run twice: the counts double, the shares hold
+    with torch.no_grad():
+        bias.zero_()
+    for _ in range(2):
+        model(x, x)[1].backward()
+    balance.step()
+    assert torch.equal(balance.load, once)
+    figures = balance.scalars()
+    assert figures["moe/layer1/busiest"] == pytest.approx(4 * once.max().item())
+    assert figures["moe/layer1/bias_range"] == pytest.approx((bias.max() - bias.min()).item())
+    assert figures["moe/layer1/bias_range"] > 0
+
+
+def test_active_parameters_and_flops_count_the_top_k_experts():
+    model = moe_model(moe_shared=1)
+    expert = 3 * 32 * model.config.moe_hidden  # gate, up and down of one expert
+    assert model.idle_expert_params() == 2 * expert * 2  # 2 layers x (4 - 2) experts idle per token
+    dense = GPT(GPTConfig(**(SMALL | dict(ffn_hidden=2 * model.config.moe_hidden))))
+    # the same active MLP width as the dense model's, plus a router and a shared expert per layer
+    extra = 2 * (32 * 4 + expert)
+    assert model.flops_per_token() == dense.flops_per_token() + 6 * extra
+
+
+# --- trained runs -------------------------------------------------------------------------------
+
+MOE = dict(arch="llama", n_head=4, n_kv_head=2, moe_experts=4, moe_top_k=2, moe_shared=1, moe_dense_layers=1,
+           moe_aux_loss=0.01, moe_bias_rate=0.001, n_layer=3, train_batch=12, max_iters=6, save_interval=3,
+           eval_interval=3)
+LAYOUTS = {  # name: (ranks, settings)
+    "one": (1, dict(checkpoint_type="full")),
+    # 4 experts over 3 ranks: 2, 2 and none of each MoE layer's
+    "three": (3, dict(checkpoint_type="sharded")),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(corpus, tmp_path_factory):
+    launch = launcher_once(tmp_path_factory, "moe", **(MOE | corpus))
+    return lambda name: launch(name, LAYOUTS[name][0], **LAYOUTS[name][1])
+
+
+def logged(run_dir: str, tag: str) -> dict:
+    return scalars(os.path.join(run_dir, "tb"), tag)
+
+
+@pytest.mark.slow
+def test_three_ranks_train_the_run_of_one_process(runs):
+    reference, got = runs("one"), runs("three")
+    for tag in ("train/loss", "train/grad_norm", "val/loss", "moe/layer1/aux_loss", "moe/layer2/bias_range"):
+        assert sorted(logged(got, tag)) == sorted(logged(reference, tag)), tag
+        for step, value in logged(reference, tag).items():
+            assert logged(got, tag)[step] == pytest.approx(value, rel=1e-4, abs=1e-7), (tag, step)
+    # the loads are counts of the same tokens routed alike: equal
+    assert logged(got, "moe/layer1/busiest") == logged(reference, "moe/layer1/busiest")
+    assert logged(reference, "train/loss")[6] < logged(reference, "train/loss")[1] - 0.3  # it trains
+    assert logged(reference, "moe/layer2/bias_range")[6] > 0  # the balancing moved the bias
+    with open(os.path.join(reference, "stdout.txt")) as f:
+        printed = f.read()
+    assert "active per token" in printed and "experts busiest" in printed
+
+
+@pytest.mark.slow
+def test_the_resume_is_bitwise_and_resharding_keeps_the_run(runs, corpus, tmp_path):
+    """The 3-rank sharded set at step 3: resumed on 3 ranks, bit for bit; on 2, within 1e-4."""
+    original = runs("three")
+    path = checkpoint_of(original, "sharded", 3, rank=0)
+    # resharded onto 2 ranks with activation checkpointing (each forward twice) and compile
+    for nproc, folder, switches in ((3, tmp_path / "same", {}),
+                                    (2, tmp_path / "resharded", dict(activation_checkpointing=True, compile=True))):
+        folder.mkdir()
+        run_trainer(str(folder), nproc=nproc, resume_from=path, **(MOE | corpus | LAYOUTS["three"][1] | switches))
+        got, expected = logged(str(folder), "train/loss"), logged(original, "train/loss")
+        assert sorted(got) == [4, 5, 6]
+        for step in got:
+            assert (got[step] == expected[step]) if nproc == 3 else got[step] == pytest.approx(expected[step], rel=1e-4)
+        bias = logged(str(folder), "moe/layer2/bias_range")
+        assert bias == pytest.approx({s: v for s, v in logged(original, "moe/layer2/bias_range").items() if s > 3})
+
+
+@pytest.mark.slow
+def test_the_tools_read_an_moe_checkpoint(runs, corpus, tmp_path):
+    checkpoint = checkpoint_of(runs("one"), "full", 6)
+    assert evaluated(checkpoint) == pytest.approx(logged(runs("one"), "val/loss")[6], rel=1e-5)
+    text = tool("sample.py", checkpoint, "--max_new_tokens", "16", "--seed", "1")
+    assert text.strip() and text == tool("sample.py", checkpoint, "--max_new_tokens", "16", "--seed", "1")
+    refused = launch([os.path.join(ROOT, "export_hf.py"), checkpoint, str(tmp_path / "hf")], ROOT)
+    assert_one_line_error(refused, "moe_experts: 4", "not built yet")
+    other = run_trainer(str(tmp_path), resume_from=checkpoint, check=False, **(MOE | corpus | dict(moe_experts=8)))
+    assert_one_line_error(other, "has moe_experts=4 but the config has moe_experts=8", "--moe_experts=4")
