@@ -23,7 +23,7 @@ import torch
 from fsdp_gpt.config import UserError, exit_code
 from fsdp_gpt.data.tokenizer import ByteTokenizer, HFTokenizer, get_tokenizer
 from fsdp_gpt.checkpoint.ckpt_format import read_model
-from fsdp_gpt.hf_format import hf_architecture, hf_config, to_hf
+from fsdp_gpt.hf_format import fused_like, hf_architecture, hf_config, to_hf
 from fsdp_gpt.model import GPTConfig
 
 def oniguruma_pattern(pattern: str) -> str:
@@ -93,7 +93,8 @@ def add_legacy_keys(path: str, keys: dict, dtype: str) -> None:
     them, with the same values, so that both load the same model."""
     with open(path) as f:
         config = json.load(f)
-    legacy = {k: keys[k] for k in ("rope_theta", "rope_scaling") if k in keys}
+    # and the experts' count under both versions' names
+    legacy = {k: keys[k] for k in ("rope_theta", "rope_scaling", "num_experts", "num_local_experts") if k in keys}
     config |= legacy | {"torch_dtype": {"fp32": "float32", "bf16": "bfloat16"}[dtype]}
     with open(path, "w") as f:
         json.dump(config, f, indent=2)
@@ -109,7 +110,7 @@ def export(checkpoint: str, out_dir: str, dtype: str = "fp32", max_shard_size: s
     tokenizer = get_tokenizer(ckpt["config"]["tokenizer"])
     keys = hf_config(cfg, tokenizer.eot_token)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(keys.pop("model_type"), **keys))
-    model.load_state_dict(to_hf(state, cfg))
+    model.load_state_dict(fused_like(to_hf(state, cfg), model.state_dict()))
     model.to(DTYPES[dtype]).config.torch_dtype = DTYPES[dtype]
     model.save_pretrained(out_dir, max_shard_size=max_shard_size)
     # a fresh dict: AutoConfig took `keys` and wrote into its rope_scaling

@@ -28,7 +28,15 @@ LLAMA_ROOT = {"wte.weight": "model.embed_tokens.weight", "ln_f.weight": "model.n
 def hf_architecture(cfg: GPTConfig) -> str:
     if cfg.arch == "gpt2":
         return "GPT2LMHeadModel"
+    if cfg.moe_experts:
+        return "Qwen3MoeForCausalLM"
     return "Qwen3ForCausalLM" if cfg.qk_norm else "LlamaForCausalLM"
+
+
+# what Qwen3MoeForCausalLM computes otherwise than a mixture with these keys: (refused unless, why)
+QWEN3_MOE_LIMITS = (("qk_norm", lambda cfg: cfg.qk_norm, "normalises q and k (qk_norm: true)"),
+                    ("moe_shared", lambda cfg: cfg.moe_shared == 0, "has no shared experts"),
+                    ("moe_score", lambda cfg: cfg.moe_score == "softmax", "scores experts by softmax"))
 
 
 # (arch, mlp) -> the activation Hugging Face's model names: the pairs it can express (its Llama and
@@ -39,9 +47,10 @@ HF_ACTIVATIONS = {("gpt2", "gelu"): "gelu_new", ("gpt2", "relu2"): "relu2", ("ll
 def hf_config(cfg: GPTConfig, eot: int | None) -> dict:
     """config.json's keys for our model; a model Hugging Face's classes would compute differently
     is refused, naming the key, rather than exported wrong."""
-    if cfg.moe_experts:
-        raise UserError(f"moe_experts: {cfg.moe_experts}: the export of mixture-of-experts models (Qwen3-MoE) is not "
-                        f"built yet; evaluate.py and sample.py read the checkpoint as it is")
+    for key, holds, why in QWEN3_MOE_LIMITS if cfg.moe_experts else ():
+        if not holds(cfg):
+            raise UserError(f"{key}: {getattr(cfg, key)} with moe_experts: Qwen3MoeForCausalLM {why}, so an export "
+                            f"would compute other logits")
     if cfg.logit_softcap:
         raise UserError(f"logit_softcap: {cfg.logit_softcap}: {hf_architecture(cfg)} has no logit soft cap, so "
                         f"an export would compute other logits")
@@ -64,7 +73,14 @@ def hf_config(cfg: GPTConfig, eot: int | None) -> dict:
                 rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_embeddings,
                 hidden_act=activation, attention_bias=False, mlp_bias=False, bos_token_id=eot, eos_token_id=eot) | (
         # the legacy key, which transformers 4 reads and 5 converts (into rope_parameters)
-        {"rope_scaling": dict(cfg.rope_scaling)} if cfg.rope_scaling else {})
+        {"rope_scaling": dict(cfg.rope_scaling)} if cfg.rope_scaling else {}) | (_qwen3_moe_config(cfg) if cfg.moe_experts else {})
+
+
+def _qwen3_moe_config(cfg: GPTConfig) -> dict:
+    """The experts' count under both names: num_experts (transformers 4), num_local_experts (5)."""
+    return dict(model_type="qwen3_moe", num_experts=cfg.moe_experts, num_local_experts=cfg.moe_experts,
+                num_experts_per_tok=cfg.moe_top_k, moe_intermediate_size=cfg.moe_hidden, norm_topk_prob=cfg.moe_norm_top_k,
+                decoder_sparse_step=1, mlp_only_layers=list(range(cfg.moe_dense_layers)))
 
 
 def to_hf(state: dict, cfg: GPTConfig) -> dict:
@@ -97,7 +113,43 @@ def _llama_to_hf(name: str, tensor: torch.Tensor, cfg: GPTConfig) -> dict:
     if rest == "mlp.c_fc.weight":  # SwiGLU's gate, then up
         gate, up = tensor.chunk(2)
         return {prefix + "mlp.gate_proj.weight": gate, prefix + "mlp.up_proj.weight": up}
+    if rest.startswith(("mlp.router.", "mlp.experts.", "mlp.expert_bias")):
+        return _experts_to_hf(prefix + "mlp.", rest.removeprefix("mlp."), tensor)
     return {prefix + LLAMA_BLOCK[rest]: tensor}
+
+
+def _experts_to_hf(prefix: str, name: str, tensor: torch.Tensor) -> dict:
+    """An MoE layer's tensors as the files hold them (both transformers 4 and 5): one gate, up and
+    down matrix per expert. A selection bias that training moved has no place there."""
+    if name == "expert_bias":
+        if tensor.any():
+            raise UserError("moe_bias_rate trained a selection bias, which Qwen3MoeForCausalLM has no place for, so an "
+                            "export would route otherwise")
+        return {}
+    if name == "router.weight":
+        return {prefix + "gate.weight": tensor}
+    if name == "experts.c_proj":
+        return {f"{prefix}experts.{e}.down_proj.weight": w for e, w in enumerate(tensor)}
+    out = {}
+    for e, w in enumerate(tensor):  # experts.c_fc: each expert's gate rows, then its up rows
+        gate, up = w.chunk(2)
+        out |= {f"{prefix}experts.{e}.gate_proj.weight": gate, f"{prefix}experts.{e}.up_proj.weight": up}
+    return out
+
+
+def fused_like(hf_state: dict, model_keys) -> dict:
+    """The per-expert tensors stacked where the transformers model in memory holds its experts fused
+    (transformers 5: experts.gate_up_proj (experts, 2 hidden, width), experts.down_proj)."""
+    out = dict(hf_state)
+    for key in model_keys:
+        if key.endswith(("experts.gate_up_proj", "experts.down_proj")) and key not in out:
+            prefix, experts = key.rsplit("experts.", 1)[0] + "experts.", 0
+            parts = ("gate_proj", "up_proj") if key.endswith("gate_up_proj") else ("down_proj",)
+            while f"{prefix}{experts}.{parts[0]}.weight" in out:
+                experts += 1
+            out[key] = torch.stack([torch.cat([out.pop(f"{prefix}{e}.{p}.weight") for p in parts])
+                                    for e in range(experts)])
+    return out
 
 
 # ---- import: a Hugging Face folder -> model keys and model.GPT's state dict ----
@@ -137,7 +189,8 @@ def _config_keys(folder: str) -> dict:
         raise UserError(f"init_from: {folder}/ has no config.json (a Hugging Face model folder is needed)")
     config = read_json(path, "init_from: the folder is damaged: download the model again")
     architecture = (config.get("architectures") or ["?"])[0]
-    readers = {"GPT2LMHeadModel": _gpt2_keys, "LlamaForCausalLM": _llama_keys, "Qwen3ForCausalLM": _llama_keys}
+    readers = {"GPT2LMHeadModel": _gpt2_keys, "LlamaForCausalLM": _llama_keys, "Qwen3ForCausalLM": _llama_keys,
+               "Qwen3MoeForCausalLM": _qwen3_moe_keys}
     if architecture not in readers:
         raise UserError(f"init_from: {folder}/ holds a {architecture}; this trainer starts from "
                         f"{', '.join(readers)}")
@@ -201,6 +254,22 @@ def _llama_keys(config: dict, folder: str) -> dict:
                 norm_eps=config.get("rms_norm_eps", 1e-6), tie_embeddings=config.get("tie_word_embeddings", False))
 
 
+def _qwen3_moe_keys(config: dict, folder: str) -> dict:
+    """Qwen3-MoE: Qwen3's attention, the MoE keys from config.json (the experts' count is num_experts
+    in transformers 4, num_local_experts in 5). Its dense layers must be the first ones."""
+    keys = _llama_keys(config | {"architectures": ["Qwen3ForCausalLM"]}, folder)
+    experts = config["num_experts"] if "num_experts" in config else config["num_local_experts"]
+    every, dense = config.get("decoder_sparse_step", 1), config.get("mlp_only_layers") or []
+    sparse = [i for i in range(keys["n_layer"]) if i not in dense and (i + 1) % every == 0]
+    first = keys["n_layer"] - len(sparse)
+    if sparse != list(range(first, keys["n_layer"])):
+        raise UserError(f"init_from: {folder}/ has dense MLPs between its MoE layers (decoder_sparse_step={every}, "
+                        f"mlp_only_layers={dense}); built here: the first moe_dense_layers blocks dense, then experts")
+    return keys | dict(moe_experts=experts, moe_top_k=config["num_experts_per_tok"],
+                       moe_hidden=config["moe_intermediate_size"], moe_norm_top_k=config.get("norm_topk_prob", False),
+                       moe_dense_layers=first, moe_shared=0, moe_score="softmax")
+
+
 def _gpt2_from_hf(tensors: dict) -> dict:
     state = {}
     for hf_name, tensor in tensors.items():
@@ -221,11 +290,24 @@ def _llama_from_hf(tensors: dict, cfg: GPTConfig) -> dict:
         block = dict(LLAMA_BLOCK)
         if not cfg.qk_norm:
             del block["attn.ln_q.weight"], block["attn.ln_k.weight"]
+        if cfg.moe_experts and i >= cfg.moe_dense_layers:
+            del block["mlp.c_proj.weight"]
+            state |= _experts_from_hf(tensors, prefix + "mlp.", f"blocks.{i}.mlp.", cfg.moe_experts)
+        else:
+            state[f"blocks.{i}.mlp.c_fc.weight"] = torch.cat([tensors[prefix + "mlp.gate_proj.weight"],
+                                                              tensors[prefix + "mlp.up_proj.weight"]])
         state |= {f"blocks.{i}.{ours}": tensors[prefix + theirs] for ours, theirs in block.items()}
         state[f"blocks.{i}.attn.c_attn.weight"] = torch.cat([tensors[f"{prefix}self_attn.{p}_proj.weight"] for p in "qkv"])
-        state[f"blocks.{i}.mlp.c_fc.weight"] = torch.cat([tensors[prefix + "mlp.gate_proj.weight"],
-                                                          tensors[prefix + "mlp.up_proj.weight"]])
     return state
+
+
+def _experts_from_hf(tensors: dict, theirs: str, ours: str, experts: int) -> dict:
+    """An MoE layer: per-expert matrices stacked (or a file's fused ones taken as they are)."""
+    fused = fused_like({k: tensors[k] for k in tensors if k.startswith(theirs + "experts.")},
+                       [theirs + "experts.gate_up_proj", theirs + "experts.down_proj"])
+    return {ours + "router.weight": tensors[theirs + "gate.weight"], ours + "expert_bias": torch.zeros(experts),
+            ours + "experts.c_fc": fused[theirs + "experts.gate_up_proj"],
+            ours + "experts.c_proj": fused[theirs + "experts.down_proj"]}
 
 
 SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}

@@ -118,6 +118,27 @@ def tool(script: str, *args, env: dict | None = None) -> str:
     return result.stdout
 
 
+def hf_val_loss(folder, corpus: dict, architecture: str, train_batch: int = TINY["train_batch"]) -> float:
+    """transformers' val loss of an exported folder on the corpus's val windows of a TINY run with
+    this train_batch, as evaluate.py and the trainer's val/loss take them; the folder must load as
+    `architecture`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from fsdp_gpt.data.loader import BatchLoader
+    from fsdp_gpt.data.prepare import prepare_data
+    from fsdp_gpt.evaluation.val_loss import val_loss_sums
+
+    hf = AutoModelForCausalLM.from_pretrained(folder).eval()
+    assert type(hf).__name__ == architecture
+    meta = prepare_data(corpus["data_path"], None, "bytes")
+    loader = BatchLoader({"data": (corpus["data_path"], meta)}, TINY["block_size"], TINY["micro_batch"],
+                         TINY["micro_batch"], 0, 1, TINY["seed"], torch.device("cpu"))
+    windows = TINY["eval_iters"] * train_batch
+    total, count = val_loss_sums(lambda x, start, separator: (hf(x).logits, None), loader, windows)[0].tolist()
+    return total / count
+
+
 def evaluated(checkpoint, *args, env: dict | None = None) -> float:
     """The val loss evaluate.py reports for a checkpoint."""
     return float(tool("evaluate.py", checkpoint, *args, env=env).split("val loss ")[1].split()[0])

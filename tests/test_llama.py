@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 
-from conftest import TINY, checkpoint_of, evaluated, launcher_once, run_trainer, scalars, tool
-from fsdp_gpt.hf_format import hf_config, read_hf_folder, to_hf
+from conftest import checkpoint_of, evaluated, hf_val_loss, launcher_once, run_trainer, scalars, tool
+from fsdp_gpt.hf_format import fused_like, hf_config, read_hf_folder, to_hf
 from fsdp_gpt.model import GPT, GPTConfig
 
 # GQA (4 query heads share 2 key/value heads), qk_norm (exports as Qwen3), untied head
@@ -21,7 +21,7 @@ def hf_model(cfg: GPTConfig, state: dict):
     from transformers import AutoConfig, AutoModelForCausalLM
     keys = hf_config(cfg, eot=0)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(keys.pop("model_type"), **keys)).eval()
-    model.load_state_dict(to_hf(state, cfg))
+    model.load_state_dict(fused_like(to_hf(state, cfg), model.state_dict()))
     return model
 
 
@@ -30,6 +30,9 @@ def hf_model(cfg: GPTConfig, state: dict):
     dict(arch="llama", n_kv_head=1, qk_norm=True, tie_embeddings=True, rope_theta=5e5),  # Qwen3ForCausalLM
     dict(arch="gpt2"),  # GPT2LMHeadModel
     dict(arch="gpt2", mlp="relu2"),  # GPT2LMHeadModel with activation_function relu2
+    # Qwen3MoeForCausalLM, a dense first layer (transformers 4 holds each expert's matrices, 5 stacks them)
+    dict(arch="llama", n_kv_head=2, qk_norm=True, moe_experts=4, moe_top_k=2, moe_hidden=32, moe_dense_layers=1,
+         moe_norm_top_k=False),
 ])
 def test_transformers_computes_the_same_logits_and_the_folder_reads_back(options, tmp_path):
     torch.manual_seed(0)
@@ -37,7 +40,8 @@ def test_transformers_computes_the_same_logits_and_the_folder_reads_back(options
     model = GPT(cfg).eval()
     with torch.no_grad():  # norms and biases away from their initial ones and zeros
         for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
+            if p.requires_grad:  # not an MoE's selection bias, which Hugging Face's models lack
+                p.add_(torch.randn_like(p) * 0.05)
     hf = hf_model(cfg, model.state_dict())
     idx = torch.randint(0, 256, (2, 32))
     with torch.no_grad():
@@ -123,24 +127,12 @@ def test_export_evaluate_sample_and_init_from(runs, corpus, tmp_path):
     """The 4-rank run's step-8 checkpoint: exported as Qwen3ForCausalLM, transformers' loss on the
     run's val windows is evaluate.py's; sample.py writes text; a run started from the exported
     folder (init_from) begins at the same val loss."""
-    from transformers import AutoModelForCausalLM
-
-    from fsdp_gpt.data.prepare import prepare_data
-    from fsdp_gpt.evaluation.val_loss import val_loss_sums
-    from fsdp_gpt.data.loader import BatchLoader
-
     nproc, settings = LAYOUTS["HYBRID_SHARD"]
     checkpoint = checkpoint_of(runs("HYBRID_SHARD", nproc, **settings), "full", STEPS)
     out = tmp_path / "hf"
     assert "Qwen3ForCausalLM" in tool("export_hf.py", checkpoint, out)
     logged = evaluated(checkpoint)
-    hf = AutoModelForCausalLM.from_pretrained(out).eval()
-    assert type(hf).__name__ == "Qwen3ForCausalLM"
-    meta = prepare_data(corpus["data_path"], None, "bytes")
-    loader = BatchLoader({"data": (corpus["data_path"], meta)}, TINY["block_size"], TINY["micro_batch"], TINY["micro_batch"],
-                         0, 1, TINY["seed"], torch.device("cpu"))
-    total, windows = val_loss_sums(lambda x, start, separator: (hf(x).logits, None), loader, TINY["eval_iters"] * TINY["train_batch"])[0].tolist()
-    assert total / windows == pytest.approx(logged, rel=1e-5)
+    assert hf_val_loss(out, corpus, "Qwen3ForCausalLM") == pytest.approx(logged, rel=1e-5)
     text = tool("sample.py", checkpoint, "--max_new_tokens", "16", "--seed", "1")
     assert text == tool("sample.py", checkpoint, "--max_new_tokens", "16", "--seed", "1") and text.strip()
     started = tmp_path / "started"

@@ -2,14 +2,17 @@
 matmul per expert, routing that leaves experts (or all but one) without tokens, the balancing loss and
 bias; then trained runs: 2 and 3 ranks against one process, the bitwise and the resharded resume, and
 the tools on an MoE checkpoint."""
+import json
 import os
 
 import pytest
 import torch
 
 import fsdp_gpt.moe as moe_module
-from conftest import ROOT, checkpoint_of, evaluated, launch, launcher_once, run_trainer, scalars, tool
+from conftest import ROOT, checkpoint_of, evaluated, hf_val_loss, launch, launcher_once, run_trainer, scalars, tool
 from test_bad_input import assert_one_line_error
+from fsdp_gpt.config import UserError
+from fsdp_gpt.hf_format import hf_config, hf_model_keys, to_hf
 from fsdp_gpt.model import GPT, GPTConfig
 from fsdp_gpt.optim.expert_balance import ExpertBalance
 
@@ -104,6 +107,27 @@ def test_the_bias_moves_towards_the_mean_load_and_checkpointing_keeps_the_shares
     assert figures["moe/layer1/bias_range"] > 0
 
 
+@pytest.mark.parametrize("options, refusal", [
+    (dict(qk_norm=True, moe_shared=1), "moe_shared: 1 with moe_experts: Qwen3MoeForCausalLM has no shared experts"),
+    (dict(qk_norm=True, moe_score="sigmoid"), "moe_score: sigmoid with moe_experts: Qwen3MoeForCausalLM scores experts by"),
+    (dict(qk_norm=True), "moe_bias_rate trained a selection bias"),
+])
+def test_what_qwen3_moe_cannot_express_is_refused(options, refusal):
+    model = moe_model(**options)
+    with torch.no_grad():
+        model.blocks[1].mlp.expert_bias[0] = 0.01
+    with pytest.raises(UserError, match=refusal):
+        hf_config(model.config, eot=0) and to_hf(model.state_dict(), model.config)  # export_hf.py's order
+
+
+def test_a_qwen3_moe_folder_with_dense_layers_between_its_experts_is_refused(tmp_path):
+    keys = hf_config(GPTConfig(**(SMALL | dict(n_layer=4, qk_norm=True, moe_experts=4))), eot=0)
+    keys |= dict(architectures=["Qwen3MoeForCausalLM"], decoder_sparse_step=2)
+    (tmp_path / "config.json").write_text(json.dumps(keys))
+    with pytest.raises(UserError, match=r"has dense MLPs between its MoE layers \(decoder_sparse_step=2"):
+        hf_model_keys(str(tmp_path))
+
+
 def test_active_parameters_and_flops_count_the_top_k_experts():
     model = moe_model(moe_shared=1)
     expert = 3 * 32 * model.config.moe_hidden  # gate, up and down of one expert
@@ -134,6 +158,10 @@ def runs(corpus, tmp_path_factory):
 
 def logged(run_dir: str, tag: str) -> dict:
     return scalars(os.path.join(run_dir, "tb"), tag)
+
+
+def logged_val(run_dir: str) -> float:
+    return logged(run_dir, "val/loss")[0]
 
 
 @pytest.mark.slow
@@ -177,6 +205,25 @@ def test_the_tools_read_an_moe_checkpoint(runs, corpus, tmp_path):
     text = tool("sample.py", checkpoint, "--max_new_tokens", "16", "--seed", "1")
     assert text.strip() and text == tool("sample.py", checkpoint, "--max_new_tokens", "16", "--seed", "1")
     refused = launch([os.path.join(ROOT, "export_hf.py"), checkpoint, str(tmp_path / "hf")], ROOT)
-    assert_one_line_error(refused, "moe_experts: 4", "not built yet")
+    assert_one_line_error(refused, "qk_norm: False with moe_experts: Qwen3MoeForCausalLM normalises q and k")
     other = run_trainer(str(tmp_path), resume_from=checkpoint, check=False, **(MOE | corpus | dict(moe_experts=8)))
     assert_one_line_error(other, "has moe_experts=4 but the config has moe_experts=8", "--moe_experts=4")
+
+
+@pytest.mark.slow
+def test_exported_as_qwen3_moe_and_started_from(corpus, tmp_path):
+    """A run with the auxiliary loss only (no bias, no shared experts: Qwen3-MoE's features):
+    transformers' val loss of the export is evaluate.py's, and a run started from the folder
+    (init_from, every MoE key from its config.json) begins there."""
+    settings = MOE | corpus | dict(qk_norm=True, moe_shared=0, moe_bias_rate=0.0, max_iters=3, checkpoint_type="full")
+    run_trainer(str(tmp_path), **settings)
+    out = tmp_path / "hf"
+    assert "Qwen3MoeForCausalLM" in tool("export_hf.py", checkpoint_of(str(tmp_path), "full", 3), out)
+    logged = evaluated(checkpoint_of(str(tmp_path), "full", 3))
+    assert hf_val_loss(out, corpus, "Qwen3MoeForCausalLM", MOE["train_batch"]) == pytest.approx(logged, rel=1e-5)
+    started = tmp_path / "started"
+    started.mkdir()
+    keys = {k: v for k, v in settings.items() if not k.startswith("moe_")}  # the folder's config.json gives them
+    result = run_trainer(str(started), **(keys | dict(max_iters=0, init_from=str(out))))
+    assert "moe_experts: 4" in result.stdout and "moe_dense_layers: 1" in result.stdout
+    assert logged_val(str(started)) == pytest.approx(logged, rel=1e-5)
