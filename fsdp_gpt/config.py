@@ -284,7 +284,7 @@ def validate(cfg: TrainConfig) -> None:
 
 
 def check_moe(cfg: TrainConfig) -> None:
-    """The mixture's keys: built for the Llama layout's SwiGLU experts, trained with AdamW."""
+    """The mixture's keys: built for the Llama layout's SwiGLU experts."""
     if not cfg.moe_experts:
         moe = [f.name for f in dataclasses.fields(cfg) if f.name.startswith("moe_") and getattr(cfg, f.name) != f.default]
         if moe:
@@ -298,8 +298,6 @@ def check_moe(cfg: TrainConfig) -> None:
               (0 <= cfg.moe_dense_layers < cfg.n_layer, f"moe_dense_layers must be 0 to n_layer - 1, got {cfg.moe_dense_layers}"),
               (cfg.moe_score in MOE_SCORES, f"moe_score '{cfg.moe_score}' is not one of {', '.join(MOE_SCORES)}"),
               (cfg.moe_aux_loss >= 0 and cfg.moe_bias_rate >= 0, "moe_aux_loss and moe_bias_rate must be 0 (off) or more"),
-              (cfg.optimizer == "adamw", "optimizer: muon with moe_experts is not built yet (the experts' stacked "
-               "matrices): use optimizer: adamw"),
               (cfg.cp_size == 1 or not cfg.moe_aux_loss, "moe_aux_loss with cp_size > 1 is not built (each rank would "
                "balance its slice of the rows): use moe_bias_rate"))
     for ok, message in checks:

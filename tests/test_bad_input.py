@@ -57,7 +57,6 @@ def one_line(code, capsys, *phrases):
     ({"arch": "llama", "moe_experts": 4, "moe_top_k": 5}, ["moe_top_k=5 must be 1 to moe_experts=4"]),
     ({"moe_experts": 4}, ["MoE layers are built for arch: llama"]),
     ({"moe_top_k": 1}, ["moe_top_k configure experts: set moe_experts"]),
-    ({"arch": "llama", "moe_experts": 4, "optimizer": "muon"}, ["optimizer: muon with moe_experts is not built yet"]),
     ({"init_from": "no/such/folder"}, ["init_from: no/such/folder/ has no config.json"]),
     ({"sharding_strategy": "HYBRID_SHARD", "fsdp_size": 2}, ["HYBRID_SHARD with fsdp_size=2 needs at least 2 ranks"]),
     ({"data_source": None, "data_path": "no/such/folder"}, ["no prepared data in 'no/such/folder'"]),

@@ -128,6 +128,17 @@ def test_a_qwen3_moe_folder_with_dense_layers_between_its_experts_is_refused(tmp
         hf_model_keys(str(tmp_path))
 
 
+def test_muon_orthogonalises_each_expert_on_its_own():
+    from fsdp_gpt.optim.muon import is_muon_matrix, neuron_normalised, orthogonalise
+    stacked = torch.randn(3, 8, 20)
+    assert torch.allclose(orthogonalise(stacked), torch.stack([orthogonalise(m) for m in stacked]), atol=1e-6)
+    with_moments = torch.cat([stacked, torch.rand(3, 8, 1)], dim=-1)  # NorMuon's row moments as a last column
+    assert torch.allclose(neuron_normalised(with_moments, "quintic", 0.95),
+                          torch.stack([neuron_normalised(m, "quintic", 0.95) for m in with_moments]), atol=1e-6)
+    names = {name for name, p in moe_model().named_parameters() if is_muon_matrix(name, p.shape)}
+    assert "blocks.0.mlp.experts.c_fc" in names and "blocks.0.mlp.router.weight" not in names
+
+
 def test_active_parameters_and_flops_count_the_top_k_experts():
     model = moe_model(moe_shared=1)
     expert = 3 * 32 * model.config.moe_hidden  # gate, up and down of one expert
@@ -147,6 +158,8 @@ LAYOUTS = {  # name: (ranks, settings)
     "one": (1, dict(checkpoint_type="full")),
     # 4 experts over 3 ranks: 2, 2 and none of each MoE layer's
     "three": (3, dict(checkpoint_type="sharded")),
+    "muon_one": (1, dict(optimizer="muon", normuon=True)),
+    "muon_three": (3, dict(optimizer="muon", normuon=True)),
 }
 
 
@@ -165,8 +178,9 @@ def logged_val(run_dir: str) -> float:
 
 
 @pytest.mark.slow
-def test_three_ranks_train_the_run_of_one_process(runs):
-    reference, got = runs("one"), runs("three")
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_three_ranks_train_the_run_of_one_process(optimizer, runs):
+    reference, got = (runs("one"), runs("three")) if optimizer == "adamw" else (runs("muon_one"), runs("muon_three"))
     for tag in ("train/loss", "train/grad_norm", "val/loss", "moe/layer1/aux_loss", "moe/layer2/bias_range"):
         assert sorted(logged(got, tag)) == sorted(logged(reference, tag)), tag
         for step, value in logged(reference, tag).items():

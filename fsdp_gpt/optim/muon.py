@@ -15,7 +15,9 @@ Under FSDP2 each rank holds a dim-0 slice of each matrix, and Newton-Schulz need
 Each matrix is orthogonalised once per step, by one rank: the matrices are dealt out in rounds
 over all the ranks that share them (MatrixExchange), the slices sent to the owner and back by
 all-to-alls in the shard group, and replicas (HYBRID_SHARD, NO_SHARD, DDP) each take a share
-of the round and all-gather the results.
+of the round and all-gather the results. A mixture's stacked experts (experts, rows, cols) are
+sharded along the experts: every rank holds whole expert matrices and orthogonalises each of its
+own, batched, with no communication (replicas compute the same).
 """
 import math
 from functools import partial
@@ -47,18 +49,20 @@ ADAMW_UPDATE_RMS = 0.2  # what Muon's updates are scaled to (rms_matching_scale)
 
 
 def orthogonalise(g: torch.Tensor, coefficients: str = "quintic") -> torch.Tensor:
-    """About U V^T for g = U S V^T (the singular values end up near 1, not at it).
-    bf16 on GPUs with bf16 tensor cores; fp32 on CPU and older GPUs, where bf16 is slow (emulated)."""
+    """About U V^T for g = U S V^T (the singular values end up near 1, not at it); each matrix of
+    a batch (..., rows, cols) on its own. bf16 on GPUs with bf16 tensor cores; fp32 on CPU and
+    older GPUs, where bf16 is slow (emulated)."""
     steps, margin = NS_COEFFICIENTS[coefficients]
     x = g.to(torch.bfloat16 if native_bf16(g.device) else torch.float32)
-    tall = x.shape[0] > x.shape[1]
+    tall = x.shape[-2] > x.shape[-1]
     if tall:  # iterate on the smaller Gram matrix
-        x = x.T
-    x = x / (x.norm() * margin + 1e-7)  # spectral norm <= Frobenius norm <= 1: inside the iteration's basin
+        x = x.mT
+    # spectral norm <= Frobenius norm <= 1: inside the iteration's basin
+    x = x / (x.norm(dim=(-2, -1), keepdim=True) * margin + 1e-7)
     for a, b, c in steps:
-        gram = x @ x.T
+        gram = x @ x.mT
         x = a * x + (b * gram + c * gram @ gram) @ x
-    return (x.T if tall else x).to(g.dtype)
+    return (x.mT if tall else x).to(g.dtype)
 
 
 def neuron_normalised(x: torch.Tensor, coefficients: str, beta2: float) -> torch.Tensor:
@@ -66,38 +70,45 @@ def neuron_normalised(x: torch.Tensor, coefficients: str, beta2: float) -> torch
     row's second moment. -> the orthogonalised update, each row divided by its RMS's running mean,
     at RMS 0.2 as a whole (AdamW's, as rms_matching_scale), and the new moments as the last column.
     No bias correction: a factor common to all rows, which the final scaling cancels."""
-    update = orthogonalise(x[:, :-1], coefficients).float()
-    moment = x[:, -1:].float().lerp(update.square().mean(dim=1, keepdim=True), 1 - beta2)
+    update = orthogonalise(x[..., :-1], coefficients).float()
+    moment = x[..., -1:].float().lerp(update.square().mean(dim=-1, keepdim=True), 1 - beta2)
     update = update / (moment.sqrt() + 1e-8)
-    update = update * (ADAMW_UPDATE_RMS / update.square().mean().sqrt().clamp_min(1e-10))
-    return torch.cat([update, moment], dim=1).to(x.dtype)
+    update = update * (ADAMW_UPDATE_RMS / update.square().mean(dim=(-2, -1), keepdim=True).sqrt().clamp_min(1e-10))
+    return torch.cat([update, moment], dim=-1).to(x.dtype)
 
 
 def is_muon_matrix(name: str, shape: torch.Size) -> bool:
-    """Muon's parameters: the 2-D weights inside the DecoderBlocks (named as model.GPT names them),
-    the value embeddings' tables excepted: embeddings take AdamW."""
-    return name.startswith("blocks.") and len(shape) == 2 and ".value_embed." not in name
+    """Muon's parameters: the 2-D weights inside the DecoderBlocks (named as model.GPT names them)
+    and a mixture's stacked experts (3-D: a matrix per expert); the value embeddings' tables and an
+    MoE router (a score direction per expert, not a map to orthogonalise) take AdamW."""
+    if not name.startswith("blocks.") or ".value_embed." in name or ".router." in name:
+        return False
+    return len(shape) == 2 or (len(shape) == 3 and ".experts." in name)
 
 
 def newton_schulz_flops(shape: torch.Size) -> int:
-    """FLOPs of orthogonalise() on one matrix: per iteration X X^T, gram @ gram and (...) @ X."""
-    m, n = sorted(shape)
-    return NS_STEPS * (4 * m * m * n + 2 * m ** 3)
+    """FLOPs of orthogonalise() on one matrix (or on each of a stack of them): per iteration X X^T,
+    gram @ gram and (...) @ X."""
+    m, n = sorted(shape[-2:])
+    return math.prod(shape[:-2]) * NS_STEPS * (4 * m * m * n + 2 * m ** 3)
 
 
 def newton_schulz_share(model: torch.nn.Module, tokens_per_step: int, group: int = 1, ranks: int = 1) -> float:
     """Muon's extra compute, which does not grow with the batch: the busiest rank's Newton-Schulz
     FLOPs per step (matrix k goes to rank k % group of each group that shares the matrices) over
-    its share of the step's training FLOPs (split over all ranks)."""
-    ns = [newton_schulz_flops(p.shape) for name, p in model.named_parameters() if is_muon_matrix(name, p.shape)]
-    busiest = max(sum(ns[j::group]) for j in range(group))
+    its share of the step's training FLOPs (split over all ranks). Stacked experts: each rank its
+    own share of them."""
+    muon = [p.shape for name, p in model.named_parameters() if is_muon_matrix(name, p.shape)]
+    ns = [newton_schulz_flops(shape) for shape in muon if len(shape) == 2]
+    experts = sum(newton_schulz_flops(shape) for shape in muon if len(shape) == 3) / ranks
+    busiest = max(sum(ns[j::group]) for j in range(group)) + experts
     return busiest / (model.flops_per_token() * tokens_per_step / ranks)
 
 
 def rms_matching_scale(shape: torch.Size) -> float:
     """An orthogonal (rows, cols) matrix has RMS 1/sqrt(max(rows, cols)), an AdamW update about
     0.2 (Moonlight, arXiv:2502.16982): with this scale Muon takes AdamW's learning rate and decay."""
-    return ADAMW_UPDATE_RMS * math.sqrt(max(shape[0], shape[1]))
+    return ADAMW_UPDATE_RMS * math.sqrt(max(shape[-2], shape[-1]))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -201,8 +212,9 @@ class MuonWithAdamW(torch.optim.Optimizer):
         self.device, self.cautious, self.normuon = device, cautious, normuon is not None
         transform = (partial(orthogonalise, coefficients=coefficients) if normuon is None else
                      partial(neuron_normalised, coefficients=coefficients, beta2=normuon))
-        matrices = [p for g in self.param_groups if g["muon"] for p in g["params"]]
+        matrices = [p for g in self.param_groups if g["muon"] for p in g["params"] if p.dim() == 2]
         self.exchange = MatrixExchange(matrices[0], transform)  # every GPT has block matrices
+        self.transform = transform
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -238,27 +250,36 @@ class MuonWithAdamW(torch.optim.Optimizer):
             if not state:
                 state["momentum_buffer"] = torch.zeros_like(p)
             if self.normuon and "row_second_moment" not in state:  # also a Muon checkpoint resumed with NorMuon
-                state["row_second_moment"] = zero_rows(p, (1,))
+                state["row_second_moment"] = zero_rows(p, (*p.shape[1:-1], 1))
             buf, grad, mu = _local(state["momentum_buffer"]), _local(p.grad), group["momentum"]
             _assign(buf, buf.lerp(grad, 1 - mu), keep)
             update = grad.lerp(buf, mu)
-            updates.append(torch.cat([update, _local(state["row_second_moment"])], dim=1) if self.normuon else update)
-        shapes = [(p.shape[0], p.shape[1] + self.normuon) for p, _ in matrices]
-        for start in range(0, len(matrices), self.exchange.round):
-            batch = slice(start, start + self.exchange.round)
-            for (p, group), update in zip(matrices[batch], self.exchange.transformed(updates[batch], shapes[batch], self.device)):
-                scale = 1.0  # NorMuon's update is at RMS 0.2 already
-                if self.normuon:
-                    moment, update = update[:, -1:], update[:, :-1]
-                    _assign(_local(self.state[p]["row_second_moment"]), moment, keep)
-                else:
-                    scale = rms_matching_scale(p.shape)
-                weight = _local(p)
-                decay = group["lr"] * group["weight_decay"]
-                if self.cautious:  # elementwise on this rank's rows: no communication
-                    decay = decay * (update * weight > 0)
-                new = torch.add(weight * (1 - decay), update, alpha=-group["lr"] * scale)
-                _assign(weight, new, keep)
+            updates.append(torch.cat([update, _local(state["row_second_moment"])], dim=-1) if self.normuon else update)
+        shared = [i for i, (p, _) in enumerate(matrices) if p.dim() == 2]  # exchanged; stacked experts are local
+        shapes = [(matrices[i][0].shape[0], matrices[i][0].shape[1] + self.normuon) for i in shared]
+        for start in range(0, len(shared), self.exchange.round):
+            batch = shared[start:start + self.exchange.round]
+            results = self.exchange.transformed([updates[i] for i in batch], shapes[start:start + len(batch)], self.device)
+            for i, update in zip(batch, results):
+                self._apply(*matrices[i], update, keep)
+        for i, (p, group) in enumerate(matrices):
+            if p.dim() == 3:
+                self._apply(p, group, self.transform(updates[i].to(self.device)).to(updates[i].device), keep)
+
+    def _apply(self, p: torch.Tensor, group: dict, update: torch.Tensor, keep: torch.Tensor | None) -> None:
+        """This rank's rows of p moved by their rows of the orthogonalised update."""
+        scale = 1.0  # NorMuon's update is at RMS 0.2 already
+        if self.normuon:
+            moment, update = update[..., -1:], update[..., :-1]
+            _assign(_local(self.state[p]["row_second_moment"]), moment, keep)
+        else:
+            scale = rms_matching_scale(p.shape)
+        weight = _local(p)
+        decay = group["lr"] * group["weight_decay"]
+        if self.cautious:  # elementwise on this rank's rows: no communication
+            decay = decay * (update * weight > 0)
+        new = torch.add(weight * (1 - decay), update, alpha=-group["lr"] * scale)
+        _assign(weight, new, keep)
 
 
 def _assign(target: torch.Tensor, new: torch.Tensor, keep: torch.Tensor | None) -> None:
