@@ -5,7 +5,8 @@
 
 Keys given comma-separated values vary together (run i takes the i-th value of each); every
 other --key=value applies to all runs. Prints each run's parameter count, its val/loss at every
-eval step, and the first eval step at which each run reaches the first run's final val loss.
+eval step, and the first eval step at which each run reaches the first run's final val loss (and a
+mixture of experts' busiest expert at the last step, the worst layer's, over the mean load).
 Runs one after another, in bench/runs/compare/.
 """
 import os
@@ -43,8 +44,8 @@ def parse(argv: list[str]) -> tuple[str, list[list[str]], list[str], int]:
     return config, runs, shared, nproc
 
 
-def train(config: str, overrides: list[str], nproc: int, run_dir: str) -> tuple[dict[int, float], str]:
-    """(val/loss by step, the parameter count the trainer printed)"""
+def train(config: str, overrides: list[str], nproc: int, run_dir: str) -> tuple[dict[int, float], str, str]:
+    """(val/loss by step, the parameter count the trainer printed, the last busiest expert's load or "")"""
     launch = [sys.executable] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     cmd = launch + [os.path.join(ROOT, "train_fsdp.py"), os.path.abspath(config)] + overrides + [
@@ -54,8 +55,11 @@ def train(config: str, overrides: list[str], nproc: int, run_dir: str) -> tuple[
     if result.returncode:
         raise UserError(f"run failed: {' '.join(cmd)}\n{result.stderr[-2000:]}")
     print(f"  {' '.join(overrides)}: {time.perf_counter() - start:.0f} s", flush=True)
-    params = re.search(r"^parameters: ([\d,]+)", result.stdout, re.MULTILINE).group(1)
-    return read_scalars(os.path.join(run_dir, "tb"), "val/loss"), params
+    params = re.search(r"^parameters: ([\d,]+)(?:.*, ([\d,]+) active)?", result.stdout, re.MULTILINE)
+    busiest = read_scalars(os.path.join(run_dir, "tb"), "moe/busiest")
+    load = f", busiest expert {busiest[max(busiest)]:.2f}x the mean at step {max(busiest)}" if busiest else ""
+    count = params.group(1) + (f", {params.group(2)} active" if params.group(2) else "")
+    return read_scalars(os.path.join(run_dir, "tb"), "val/loss"), count, load
 
 
 def first_step_reaching(losses: dict[int, float], target: float) -> str:
@@ -66,11 +70,11 @@ def main(argv: list[str]) -> None:
     config, variants, shared, nproc = parse(argv)
     names = [" ".join(v).replace("--", "") for v in variants]
     print(f"{time.strftime('%Y-%m-%d')}: {config} {' '.join(shared)}, {nproc} rank(s)", flush=True)
-    runs, params = {}, {}
+    runs, params, loads = {}, {}, {}
     for name, overrides in zip(names, variants):
         run_dir = os.path.join(ROOT, "bench", "runs", "compare", name.replace(" ", "_"))
         subprocess.run(["rm", "-rf", run_dir], check=True)  # a fresh log: no events of an older run
-        runs[name], params[name] = train(config, overrides + shared, nproc, run_dir)
+        runs[name], params[name], loads[name] = train(config, overrides + shared, nproc, run_dir)
     print("| step | " + " | ".join(f"{name} ({params[name]} parameters)" for name in names) + " |")
     print("| --- |" + " --- |" * len(names))
     for step in sorted(runs[names[0]]):
@@ -78,7 +82,7 @@ def main(argv: list[str]) -> None:
     target = runs[names[0]][max(runs[names[0]])]
     for name in names:
         print(f"{name}: final val loss {runs[name][max(runs[name])]:.4f}, first eval step at or below "
-              f"{target:.4f} ({names[0]}'s final): {first_step_reaching(runs[name], target)}")
+              f"{target:.4f} ({names[0]}'s final): {first_step_reaching(runs[name], target)}{loads[name]}")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@
 
 One process wraps the model in FSDP2 all the same (force_fsdp), so one GPU runs what a cluster
 runs: bf16 mixed precision, compile under FSDP's hooks, async sharded saves and a resume from them,
-Muon and NorMuon with the recipe's parts, multiple-choice eval. With 2 or more GPUs the 2-rank runs
+Muon and NorMuon with the recipe's parts, a mixture of experts, multiple-choice eval. With 2 or more GPUs the 2-rank runs
 over NCCL follow (parity with one GPU, HYBRID_SHARD and NO_SHARD meshes, cpu_offload on a 2-D
 mesh), then the GPU tests. Each row is the trainer as a user runs it, on the demo's byte corpus
 with the vocabulary kept at 50,304 (the configs' shapes and FLOPs, no tokenizer download).
@@ -141,6 +141,10 @@ ROWS = [
     Row("recipe_muon", "config/recipe_124M.yaml (Llama, untied head, value embeddings, soft cap, Muon with Polar "
         "Express, NorMuon, cautious decay), force_fsdp, bf16, compiled",
         ["config/recipe_124M.yaml"] + FSDP + ["--compile=true", "--checkpoint_type=sharded"], check=learns),
+    Row("moe", "train90M's body as a Llama mixture (8 experts, top 2, qk_norm), force_fsdp, bf16, compiled: "
+        "the experts through torch._grouped_mm, the balancing bias", GPT2 + FSDP + [
+            "--arch=llama", "--qk_norm=true", "--moe_experts=8", "--moe_top_k=2", "--moe_bias_rate=0.001",
+            "--moe_aux_loss=0.001", "--compile=true"], check=learns, cap=150),
     Row("demo", "config/demo_cpu.yaml as it is (one process, unwrapped)", ["config/demo_cpu.yaml"], check=learns,
         cap=120),
     Row("one_gpu_fp32", "the reference of 2gpu_fp32: force_fsdp, fp32 (TF32)", GPT2 + FSDP + ["--dtype=fp32"],
