@@ -31,6 +31,7 @@ from fsdp_gpt.observe.spikes import SpikeDetector, check_skip
 from fsdp_gpt.observe.step_times import StepTimes
 from fsdp_gpt.observe.wandb_log import run_id
 from fsdp_gpt.optim.build import build_optimizer
+from fsdp_gpt.optim.clip import clip_gradients
 from fsdp_gpt.optim.expert_balance import ExpertBalance
 from fsdp_gpt.optim.schedule import lr_at
 from fsdp_gpt.resilience.guard import NonFiniteGuard
@@ -158,7 +159,7 @@ def train(cfg) -> int:
             loss = forward_backward(model, loader, step, accum_steps, times, compute, scaler, separator)
             spike = spikes.check(step, loss)
             scaler.unscale_(optimizer)
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
+            grad_norm = clip_gradients(model, cfg.grad_clip or math.inf)
             # a non-finite step (and with spike_skip, a spike): every rank skips the update
             guard.check(step, grad_norm, optimizer, scaler, spike if cfg.spike_skip else None)
             scaler.step(optimizer)

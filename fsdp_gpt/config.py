@@ -45,6 +45,8 @@ MLPS = ("gelu", "swiglu", "relu2")
 MUON_COEFFICIENTS = ("quintic", "polar_express")
 ARCHS = ("gpt2", "llama")
 MOE_SCORES = ("softmax", "sigmoid")
+# the strategies expert parallelism builds on: the experts sharded over what the expert groups leave
+EP_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
 
 
 def key(default, meaning: str):
@@ -150,6 +152,8 @@ class TrainConfig:
     compile: bool = key(False, "torch.compile each DecoderBlock")
     cp_size: int = key(1, "context parallelism: ranks that split each row's block_size tokens (Ulysses: dividing "
                           "the world size, n_head, n_kv_head and block_size)")
+    ep_size: int = key(1, "expert parallelism: ranks that split each MoE layer's experts, tokens sent to them by "
+                          "all-to-all (dividing moe_experts and the world size, or fsdp_size under HYBRID_SHARD)")
     doc_mask: bool = key(False, "attention stops at the data's separator token between documents inside a row "
                                 "(the separator opens the document after it)")
     world_size: int | None = key(None, "the launch size the config was written for: another is reported, not "
@@ -285,6 +289,9 @@ def validate(cfg: TrainConfig) -> None:
 
 def check_moe(cfg: TrainConfig) -> None:
     """The mixture's keys: built for the Llama layout's SwiGLU experts."""
+    if cfg.ep_size < 1 or (cfg.ep_size > 1 and not (cfg.moe_experts and cfg.fsdp and cfg.sharding_strategy in EP_STRATEGIES)):
+        raise UserError(f"ep_size={cfg.ep_size} needs moe_experts and FSDP with {', '.join(EP_STRATEGIES)} (DDP and "
+                        f"NO_SHARD hold every weight whole on every rank): ep_size must be 1 otherwise")
     if not cfg.moe_experts:
         moe = [f.name for f in dataclasses.fields(cfg) if f.name.startswith("moe_") and getattr(cfg, f.name) != f.default]
         if moe:
@@ -299,7 +306,9 @@ def check_moe(cfg: TrainConfig) -> None:
               (cfg.moe_score in MOE_SCORES, f"moe_score '{cfg.moe_score}' is not one of {', '.join(MOE_SCORES)}"),
               (cfg.moe_aux_loss >= 0 and cfg.moe_bias_rate >= 0, "moe_aux_loss and moe_bias_rate must be 0 (off) or more"),
               (cfg.cp_size == 1 or not cfg.moe_aux_loss, "moe_aux_loss with cp_size > 1 is not built (each rank would "
-               "balance its slice of the rows): use moe_bias_rate"))
+               "balance its slice of the rows): use moe_bias_rate"),
+              (cfg.moe_experts % cfg.ep_size == 0, f"ep_size={cfg.ep_size} must divide moe_experts={cfg.moe_experts}: "
+               f"each rank of an expert group holds moe_experts / ep_size experts"))
     for ok, message in checks:
         if not ok:
             raise UserError(message)

@@ -46,9 +46,14 @@ class GroupedExperts(nn.Module):
         self.c_proj = nn.Parameter(torch.empty(experts, width, hidden))
         self.activation = activation
 
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The experts this module computes (expert parallelism: a rank's own, swapped in from outside)."""
+        return self.c_fc, self.c_proj
+
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x (rows, width) grouped by expert (counts[e] rows each) -> (rows, width)."""
-        return expert_matmul(self.activation(expert_matmul(x, self.c_fc, counts)), self.c_proj, counts)
+        c_fc, c_proj = self.weights()
+        return expert_matmul(self.activation(expert_matmul(x, c_fc, counts)), c_proj, counts)
 
 
 def run_local(experts: GroupedExperts, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

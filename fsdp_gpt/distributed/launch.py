@@ -54,6 +54,13 @@ class Topology:
     store: dist.Store | None = None  # the group's store (the watchdog's channel)
     cp_size: int = 1
     cp_group: dist.ProcessGroup | None = None  # this rank's context-parallel group (cp_size > 1)
+    # ep_size > 1: the mesh the others are cut from, with dimensions "efsdp" and "ep" (and "replicate"
+    # under HYBRID_SHARD): the experts' own group and FSDP's sharding of them (expert_parallel.py)
+    expert_mesh: DeviceMesh | None = None
+
+    @property
+    def ep_size(self) -> int:
+        return self.expert_mesh["ep"].size() if self.expert_mesh is not None else 1
 
     @property
     def is_main(self) -> bool:
@@ -135,13 +142,16 @@ def init_distributed(cfg) -> Topology:
         raise UserError(f"cp_size={cfg.cp_size} must divide the world size {world}: launch a multiple of {cfg.cp_size} "
                         f"ranks")
     cp_group = context_groups(world, cfg.cp_size) if cfg.cp_size > 1 else None
-    return Topology(rank, world, local_rank, local_world, device, wrap,
-                    build_mesh(cfg, world, local_world, device, wrap), store, cfg.cp_size, cp_group)
+    mesh, expert_mesh = build_mesh(cfg, world, local_world, device, wrap)
+    return Topology(rank, world, local_rank, local_world, device, wrap, mesh, store, cfg.cp_size, cp_group, expert_mesh)
 
 
-def build_mesh(cfg, world: int, local_world: int, device: torch.device, wrap: str) -> DeviceMesh | None:
+def build_mesh(cfg, world: int, local_world: int, device: torch.device,
+               wrap: str) -> tuple[DeviceMesh | None, DeviceMesh | None]:
+    """FSDP's mesh, and with ep_size > 1 the expert mesh it is a flattening of (FSDP needs both cut
+    from one mesh to shard a weight the expert group shards already)."""
     if not cfg.fsdp:
-        return None
+        return None, None
     layout, _ = STRATEGY_TABLE[cfg.sharding_strategy]
     shard = world if layout == "flat" else 1 if layout == "replicate" else (cfg.fsdp_size or local_world)
     if shard > world:
@@ -150,11 +160,21 @@ def build_mesh(cfg, world: int, local_world: int, device: torch.device, wrap: st
     if world % shard:
         raise UserError(f"fsdp_size={shard} must divide the world size {world} for {cfg.sharding_strategy}: "
                         f"launch a multiple of {shard} ranks or set --fsdp_size to a divisor of {world}")
+    ep = cfg.ep_size
+    if shard % ep:
+        within = "the world size" if layout == "flat" else f"the shard group's {shard} ranks (fsdp_size)"
+        raise UserError(f"ep_size={ep} must divide {within} {shard}: each expert group shares one shard group")
     if wrap != "fsdp":  # one process runs unwrapped: the layout is checked all the same
-        return None
-    if layout == "flat":
-        return init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
-    return init_device_mesh(device.type, (world // shard, shard), mesh_dim_names=("replicate", "shard"))
+        return None, None
+    dims, names = ((world,), ("shard",)) if layout == "flat" else ((world // shard, shard), ("replicate", "shard"))
+    mesh = init_device_mesh(device.type, dims, mesh_dim_names=names)
+    if ep == 1:
+        return mesh, None
+    if not hasattr(mesh, "_unflatten"):
+        raise UserError(f"ep_size={ep} needs a newer torch than {torch.__version__} (DeviceMesh._unflatten, tested on "
+                        f"2.13): ep_size must be 1 here")
+    # the shard dimension seen as (efsdp, ep): expert groups of consecutive ranks, like context groups
+    return mesh, mesh._unflatten(len(dims) - 1, (shard // ep, ep), ("efsdp", "ep"))
 
 
 def agree(fn):

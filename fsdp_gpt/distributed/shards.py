@@ -2,6 +2,7 @@
 Shared by the checkpoint files, Muon's gather of whole matrices and the per-rank statistics."""
 import torch
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 
 def dim0_shard(rows: int, n: int, i: int) -> tuple[int, int]:
@@ -16,11 +17,10 @@ def local_slice(t: torch.Tensor) -> tuple[torch.Tensor, int]:
     """This rank's dim-0 slice of a (possibly FSDP-sharded) tensor and its global offset."""
     if not isinstance(t, DTensor):
         return t, 0
-    offset = 0
-    for mesh_dim, placement in enumerate(t.placements):
-        if placement.is_shard(0):
-            offset += dim0_shard(t.shape[0], t.device_mesh.size(mesh_dim), t.device_mesh.get_local_rank(mesh_dim))[0]
-    return t.to_local(), offset
+    # DTensor's own arithmetic: an expert-parallel weight is sharded twice along dim 0 (its expert
+    # group's share, then FSDP's slice of that), which a sum of per-dimension offsets gets wrong
+    _, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return t.to_local(), offsets[0]
 
 
 def zero_rows(like: torch.Tensor, row_shape) -> torch.Tensor:

@@ -1,0 +1,81 @@
+"""Expert parallelism (ep_size): each MoE layer's experts split over the ep_size ranks of an expert
+group, the tokens sent to the ranks holding their experts and back.
+
+The ranks of a group are consecutive (rank j of group g holds experts j*E/ep .. (j+1)*E/ep - 1 of
+every MoE layer). The stacked expert weights are DTensors sharded along the experts over the
+group's mesh dimension ("ep"); FSDP shards them further over what is left ("efsdp": the ranks with
+the same j), so a rank keeps (E/ep) / (world/ep) experts between steps and gathers only its group
+member's E/ep for the forward. Every other parameter is FSDP's over all ranks, as without experts.
+
+Gradients: a rank's loss is the mean over its own tokens and FSDP averages over the world, so a
+dense weight's gradient is (1/world) x the sum over ranks. An expert's local gradient already sums
+the contributions of every token its group sent it (the all-to-all's backward brings them), and
+FSDP reduces it over the world/ep ranks of its efsdp group: divided by world, not world/ep, it is the
+same average (set_gradient_divide_factor; pytorch#160285's factor ep too large otherwise).
+
+Per layer and direction: one all-to-all of the counts (E integers) and one of the rows, whatever the
+routing: a rank that sends or receives no row still takes part (splits of zero).
+"""
+import torch
+import torch.distributed as dist
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from fsdp_gpt.model import GPT
+from fsdp_gpt.moe import GroupedExperts
+
+
+# FSDP's mesh for the experts by the dimensions of everyone else's: the flat mesh's ranks that hold
+# the same experts, and HYBRID_SHARD's replicas of them beside
+EXPERT_FSDP_DIMS = {1: ("efsdp",), 2: ("replicate", "efsdp")}
+
+
+class LocalExperts(GroupedExperts):
+    """The experts of this rank's share of the group: the local part of the weights' DTensors (FSDP
+    gathers them over efsdp before forward; the ep dimension stays split)."""
+
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.c_fc.to_local(), self.c_proj.to_local()
+
+
+class ExpertParallel:
+    """MoE.run_experts across an expert group: rows grouped by (global) expert in, their results out."""
+
+    def __init__(self, ep_mesh: DeviceMesh):
+        self.group, self.ep = ep_mesh.get_group(), ep_mesh.size()
+
+    def __call__(self, experts: GroupedExperts, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x (rows, width) grouped by expert, counts (experts,) -> (rows, width) in x's order."""
+        per_rank = counts.view(self.ep, -1)  # (ep, local experts): what I send to each rank, per its expert
+        received = torch.empty_like(per_rank)  # (ep, local experts): what each rank sends me, per my expert
+        dist.all_to_all_single(received, per_rank, group=self.group)
+        # the splits are host integers: one sync for the layer's two exchanges
+        sizes = torch.stack([per_rank.sum(1), received.sum(1)]).tolist()
+        send, receive = sizes
+        rows = all_to_all_single_autograd(x, receive, send, self.group)  # (sender, my expert)-ordered
+        # regroup by my expert (a stable sort keeps each sender's rows in order), compute, undo
+        local_experts = received.shape[1]
+        expert_of_row = torch.arange(local_experts, device=x.device).repeat(self.ep).repeat_interleave(received.flatten())
+        order = expert_of_row.argsort(stable=True)
+        out = experts(rows[order], received.sum(0))  # through __call__: FSDP gathers the group's experts
+        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+        return all_to_all_single_autograd(out[inverse], send, receive, self.group)
+
+
+def _sharded_over(p: torch.Tensor, ep_mesh: DeviceMesh) -> torch.nn.Parameter:
+    """p (experts, ...) as a DTensor of rank j's experts over the ep mesh. The model is on the meta
+    device here: each rank takes its slice, nothing is sent (weights come after sharding)."""
+    local = p.chunk(ep_mesh.size())[ep_mesh.get_local_rank()]
+    return torch.nn.Parameter(DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False, shape=p.shape,
+                                                 stride=p.stride()), requires_grad=p.requires_grad)
+
+
+def apply_expert_parallel(gpt: GPT, ep_mesh: DeviceMesh) -> None:
+    """Every MoE layer's experts split over the ep mesh, and its tokens dispatched to them."""
+    dispatch = ExpertParallel(ep_mesh)
+    for moe in gpt.moe_layers():
+        moe.experts.c_fc = _sharded_over(moe.experts.c_fc, ep_mesh)
+        moe.experts.c_proj = _sharded_over(moe.experts.c_proj, ep_mesh)
+        moe.experts.__class__ = LocalExperts
+        moe.run_experts = dispatch
