@@ -1,10 +1,12 @@
 """The peak FLOP/s MFU divides by: a GPU's from its data sheet, a CPU's from its cores.
 
 A CPU has no data sheet entry here, so its peak is the larger of two figures: a timed fp32 matmul
-(what the cores reach, which a passing load on the machine undercuts: a run whose start-up timing
-fell in a busy moment showed MFU over 100%), and what the cores' vector width and clock allow
-(fp32 lanes x 2 for the fused multiply-add x 2 FMA units x clock x threads: an upper bound that no
-load lowers, where /proc/cpuinfo tells the width and clock). MFU on a CPU is an estimate, and said so.
+(what the cores reach; a run whose start-up timing fell in a busy moment once showed MFU over 100%,
+so it is timed as a passing load can't undercut: many short single-thread rounds, the fastest taken,
+times the threads), and what the cores' vector width and clock allow (fp32 lanes x 2 for the fused
+multiply-add x 2 FMA units x clock x threads, where /proc/cpuinfo tells the width and clock: no upper
+bound where the cores run above the clock it reports, as a VM's do). MFU on a CPU is an estimate, and
+said so.
 """
 import os
 import re
@@ -31,7 +33,7 @@ GPU_PEAK_FLOPS = {
 
 
 FMA_UNITS = 2  # FMA pipes per core on x86 server cores since Haswell and Zen 2: an upper bound where there is one
-MATMUL_SIZE, MATMUL_SECONDS = 512, 0.3  # the timed matmuls: fp32, for at least this long, the fastest round taken
+MATMUL_SIZE, MATMUL_SECONDS = 256, 0.3  # the timed matmuls: fp32, for at least this long, the fastest round taken
 
 
 def gpu_peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
@@ -42,16 +44,24 @@ def gpu_peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
 
 
 def timed_matmul_flops() -> float:
-    """fp32 FLOP/s of the fastest round of matmuls on this process's threads, rounds repeated for
-    MATMUL_SECONDS: a busy moment slows some rounds, not the fastest of many."""
+    """fp32 FLOP/s of this process's threads: the fastest of MATMUL_SECONDS' rounds of one matmul on
+    one thread, times the threads. A round takes a fraction of a millisecond, shorter than the time
+    a busy machine's scheduler gives a thread, so many rounds have a core to themselves (rounds on
+    all threads at once wait for the slowest: under load, none of them did). On the machines here
+    one thread's rate times two matches two threads' on a larger matmul, quiet or loaded."""
+    threads = min(torch.get_num_threads(), os.cpu_count() or 1)
     a, b = torch.randn(MATMUL_SIZE, MATMUL_SIZE), torch.randn(MATMUL_SIZE, MATMUL_SIZE)
-    torch.mm(a, b)  # warm up
-    best, until = float("inf"), time.perf_counter() + MATMUL_SECONDS
-    while time.perf_counter() < until:
-        start = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - start)
-    return 2 * MATMUL_SIZE ** 3 / best
+    torch.set_num_threads(1)
+    try:
+        torch.mm(a, b)  # warm up
+        best, until = float("inf"), time.perf_counter() + MATMUL_SECONDS
+        while time.perf_counter() < until:
+            start = time.perf_counter()
+            torch.mm(a, b)
+            best = min(best, time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+    return threads * 2 * MATMUL_SIZE ** 3 / best
 
 
 def vector_peak_flops(threads: int, cpuinfo: str | None = None) -> tuple[float, str] | None:
