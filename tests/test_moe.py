@@ -152,7 +152,7 @@ def test_active_parameters_and_flops_count_the_top_k_experts():
 # --- trained runs -------------------------------------------------------------------------------
 
 MOE = dict(arch="llama", n_head=4, n_kv_head=2, moe_experts=4, moe_top_k=2, moe_shared=1, moe_dense_layers=1,
-           moe_aux_loss=0.01, moe_bias_rate=0.001, n_layer=3, train_batch=12, max_iters=6, save_interval=3,
+           moe_aux_loss=0.01, moe_bias_rate=0.001, n_layer=3, train_batch=24, max_iters=6, save_interval=3,
            eval_interval=3)
 LAYOUTS = {  # name: (ranks, settings)
     "one": (1, dict(checkpoint_type="full")),
@@ -160,6 +160,14 @@ LAYOUTS = {  # name: (ranks, settings)
     "three": (3, dict(checkpoint_type="sharded")),
     "muon_one": (1, dict(optimizer="muon", normuon=True)),
     "muon_three": (3, dict(optimizer="muon", normuon=True)),
+    # expert parallelism: 2 experts a rank, none shared (FSDP's group of one per expert group); 2
+    # experts an expert group, 1 a rank after FSDP's sharding, replicated over HYBRID_SHARD's 2
+    # shard groups; one expert a rank; beside context parallelism (which takes no auxiliary loss)
+    "ep2": (2, dict(ep_size=2, checkpoint_type="sharded")),
+    "ep2_hybrid": (4, dict(ep_size=2, sharding_strategy="HYBRID_SHARD", fsdp_size=2)),
+    "ep4_muon": (4, dict(ep_size=4, optimizer="muon", normuon=True, checkpoint_type="full")),
+    "no_aux_one": (1, dict(moe_aux_loss=0.0)),
+    "ep2_cp2": (4, dict(ep_size=2, cp_size=2, moe_aux_loss=0.0)),
 }
 
 
@@ -177,11 +185,17 @@ def logged_val(run_dir: str) -> float:
     return logged(run_dir, "val/loss")[0]
 
 
+AUX = "moe/layer1/aux_loss"  # the logged balancing loss: each rank's own tokens', so a row split by cp_size differs
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
-def test_three_ranks_train_the_run_of_one_process(optimizer, runs):
-    reference, got = (runs("one"), runs("three")) if optimizer == "adamw" else (runs("muon_one"), runs("muon_three"))
-    for tag in ("train/loss", "train/grad_norm", "val/loss", "moe/layer1/aux_loss", "moe/layer2/bias_range"):
+@pytest.mark.parametrize("reference, layout", [("one", "three"), ("muon_one", "muon_three"), ("one", "ep2"),
+                                               ("one", "ep2_hybrid"), ("muon_one", "ep4_muon"), ("no_aux_one", "ep2_cp2")])
+def test_n_ranks_train_the_run_of_one_process(reference, layout, runs):
+    """The gradient norm too: Adam's update hardly changes if an expert's gradient is off by a factor
+    (expert parallelism's first gradients were ep_size times too small at FSDP groups of one)."""
+    reference, got = runs(reference), runs(layout)
+    for tag in ("train/loss", "train/grad_norm", "val/loss", "moe/layer2/bias_range", *[AUX] * ("cp2" not in layout)):
         assert sorted(logged(got, tag)) == sorted(logged(reference, tag)), tag
         for step, value in logged(reference, tag).items():
             assert logged(got, tag)[step] == pytest.approx(value, rel=1e-4, abs=1e-7), (tag, step)
@@ -210,6 +224,43 @@ def test_the_resume_is_bitwise_and_resharding_keeps_the_run(runs, corpus, tmp_pa
             assert (got[step] == expected[step]) if nproc == 3 else got[step] == pytest.approx(expected[step], rel=1e-4)
         bias = logged(str(folder), "moe/layer2/bias_range")
         assert bias == pytest.approx({s: v for s, v in logged(original, "moe/layer2/bias_range").items() if s > 3})
+
+
+@pytest.mark.slow
+def test_expert_parallel_checkpoints_resume_on_any_layout(runs, corpus, tmp_path):
+    """ep_size 2's sharded set at step 3: on its own layout bit for bit; on 4 ranks with ep_size 4 and
+    on one process within 1e-4. ep_size 4's full checkpoint: read by a plain process."""
+    original = runs("ep2")
+    path = checkpoint_of(original, "sharded", 3, rank=0)
+    expected = logged(original, "train/loss")
+    for nproc, ep_size in ((2, 2), (4, 4), (1, 1)):
+        folder = tmp_path / f"ep{ep_size}"
+        folder.mkdir()
+        run_trainer(str(folder), nproc=nproc, resume_from=path,
+                    **(MOE | corpus | LAYOUTS["ep2"][1] | dict(ep_size=ep_size)))
+        got = logged(str(folder), "train/loss")
+        assert sorted(got) == [4, 5, 6]
+        for step in got:
+            assert (got[step] == expected[step]) if ep_size == 2 else got[step] == pytest.approx(expected[step], rel=1e-4)
+        assert logged(str(folder), "train/grad_norm")[6] == pytest.approx(logged(original, "train/grad_norm")[6], rel=1e-4)
+    full = checkpoint_of(runs("ep4_muon"), "full", 6)
+    assert evaluated(full) == pytest.approx(logged(runs("ep4_muon"), "val/loss")[6], rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_expert_parallel_layer_is_the_whole_model_on_one_rank(nproc, tmp_path):
+    """Outputs, loss and every gradient (tests/ep_probe.py) within float rounding, also where every
+    token goes to expert 0 (every other rank receives no row) or to the last rank's two."""
+    result = launch([os.path.join(ROOT, "tests", "ep_probe.py")], str(tmp_path), nproc)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    experts = 2 * nproc
+    assert report["all to expert 0"]["counts"] == [32.0] + [0.0] * (experts - 1)
+    assert report["all to the last two"]["counts"] == [0.0] * (experts - 2) + [32.0, 32.0]
+    assert all(0 < count < 32 for count in report["routed"]["counts"][:2])
+    for case, figures in report.items():
+        assert figures["largest"] < 1e-6, (case, figures)
 
 
 @pytest.mark.slow
