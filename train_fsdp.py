@@ -59,6 +59,7 @@ def describe_run(cfg, topo: Topology, accum_steps: int, dtype: torch.dtype) -> N
               f"train_batch={cfg.train_batch} stays global, so accumulation is now {accum_steps} micro-steps")
     print(f"{world} ranks, {cfg.sharding_strategy if cfg.fsdp else 'DDP'}, mesh {topo.describe_mesh()}, "
           f"{f'context parallel {cfg.cp_size} (each row over {cfg.cp_size} ranks), ' if cfg.cp_size > 1 else ''}"
+          f"{f'expert parallel {cfg.ep_size} ({cfg.moe_experts // cfg.ep_size} experts a rank), ' if cfg.ep_size > 1 else ''}"
           f"{'model not wrapped (one process: nothing to shard), ' if topo.wrap == 'none' else ''}"
           f"gradient accumulation {accum_steps}, compute dtype {dtype}", flush=True)
 

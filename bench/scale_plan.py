@@ -11,8 +11,10 @@ replicas, Muon's exchanges of the matrices); the sharded checkpoint's size, the 
 the filesystem's aggregate bandwidth (replica groups past the first receive their slices over
 the network instead), the rank files each rank opens on resume and the index's size; with
 cp_size, the tokens of a row each rank computes and Ulysses' all-to-alls of q, k, v and the
-attention's output (forward and backward, and the forward again under activation checkpointing). Ring
-collectives: a rank sends (n-1)/n of the gathered or reduced bytes, an all-reduce twice that. The rank with the most rows is shown (rank 0: FSDP2 splits dim 0 like torch.chunk).
+attention's output (forward and backward, and the forward again under activation checkpointing); with
+ep_size, the experts' gathers and reductions inside their FSDP group (the ranks holding the same
+experts) and the all-to-alls that carry each token's top-k copies to its experts and back (routing
+taken as balanced: (ep-1)/ep of the copies leave the rank). Ring collectives: a rank sends (n-1)/n of the gathered or reduced bytes, an all-reduce twice that. The rank with the most rows is shown (rank 0: FSDP2 splits dim 0 like torch.chunk).
 """
 import argparse
 import io
@@ -49,6 +51,10 @@ def units(cfg) -> list[list[tuple[str, torch.Size]]]:
     return blocks + [[(n, p.shape) for n, p in model.named_parameters() if n not in in_blocks]]
 
 
+def is_expert(name: str) -> bool:
+    return ".experts." in name
+
+
 def row_numel(shape: torch.Size) -> int:
     return shape[1:].numel()
 
@@ -70,10 +76,21 @@ class Plan:
         self.numel = sum(shape.numel() for _, shape in self.params)
         # the cp_size ranks of a context group share rows: gpus / cp_size data-parallel shares
         self.micro_steps = cfg.train_batch // (cfg.micro_batch * gpus // cfg.cp_size)
+        self.ep = cfg.ep_size
+        self.expert_numel = sum(shape.numel() for name, shape in self.params if is_expert(name))
 
     def slices(self, rank: int) -> dict:
-        """{name: (offset, rows)} of every parameter's dim-0 slice on `rank` (shard index rank % shard)."""
-        return {name: dim0_shard(shape[0], self.shard, rank % self.shard) for name, shape in self.params}
+        """{name: (offset, rows)} of every parameter's dim-0 slice on `rank` (shard index i = rank %
+        shard). Experts under ep_size: expert group member i % ep holds experts j*E/ep.., FSDP's slice
+        i // ep of them."""
+        i = rank % self.shard
+        slices = {name: dim0_shard(shape[0], self.shard, i) for name, shape in self.params}
+        for name, shape in self.params:
+            if is_expert(name) and self.ep > 1:
+                group = shape[0] // self.ep
+                offset, rows = dim0_shard(group, self.shard // self.ep, i // self.ep)
+                slices[name] = ((i % self.ep) * group + offset, rows)
+        return slices
 
     def state_bytes(self, rank: int) -> dict:
         """fp32 parameters, gradients and optimizer state held by `rank`."""
@@ -98,12 +115,27 @@ class Plan:
         # a replica's share (1/r of the matrices): slices to their owners and back in the shard
         # group; then every rank's slices all-gathered across the replicas
         muon_exchange = 2 * matrices / r / n * (n - 1) / n + matrices / n * (r - 1) / r
-        regathered = sum(shape.numel() for unit in self.units[:-2] for _, shape in unit)  # root last, last block before it
-        gathers = self.micro_steps * (self.numel + regathered) * BYTES[cfg.dtype]
-        reduced = self.numel * BYTES[cfg.reduce_dtype]
-        return {"all-gather": gathers * (n - 1) / n, "reduce-scatter": reduced * (n - 1) / n,
-                "all-reduce": 2 * (r - 1) / r * reduced / n, "muon exchange": muon_exchange,
-                "ulysses": self.ulysses_bytes()}
+        regathered = [(name, shape) for unit in self.units[:-2] for name, shape in unit]  # root last, last block before it
+        # under ep_size the experts gather (and reduce) 1/ep of themselves in groups of n/ep
+        e, group = (self.ep, n // self.ep) if self.ep > 1 else (1, n)
+        experts = self.expert_numel + sum(shape.numel() for name, shape in regathered if is_expert(name))
+        others = self.numel + sum(shape.numel() for _, shape in regathered) - experts
+        gathers = self.micro_steps * BYTES[cfg.dtype] * (others * (n - 1) / n + experts / e * (group - 1) / group)
+        reduced = BYTES[cfg.reduce_dtype] * ((self.numel - self.expert_numel) * (n - 1) / n +
+                                             self.expert_numel / e * (group - 1) / group)
+        return {"all-gather": gathers, "reduce-scatter": reduced,
+                "all-reduce": 2 * (r - 1) / r * self.numel * BYTES[cfg.reduce_dtype] / n, "muon exchange": muon_exchange,
+                "ulysses": self.ulysses_bytes(), "expert all-to-all": self.expert_all_to_all_bytes()}
+
+    def expert_all_to_all_bytes(self) -> float:
+        """Per step: each MoE layer sends the rank's tokens' top-k copies to their experts and the
+        results back, (ep-1)/ep of them off the rank; as much again in backward, and in a recomputed
+        forward."""
+        cfg, moe_layers = self.cfg, len(self.model.moe_layers())
+        copies = cfg.micro_batch * cfg.block_size // cfg.cp_size * self.model.config.moe_top_k
+        passes = 3 if cfg.activation_checkpointing else 2
+        return (self.micro_steps * passes * moe_layers * 2 * copies * self.model.config.n_embd * BYTES[cfg.dtype]
+                * (self.ep - 1) / self.ep)
 
     def ulysses_bytes(self) -> float:
         """Per step: each layer's four all-to-alls (q, k, v in; the output back) of this rank's
@@ -152,6 +184,9 @@ def column(plan: Plan, bandwidth: float) -> dict:
         **({"tokens of a row a rank computes (cp_size ranks a row)": f"{plan.cfg.block_size // plan.cfg.cp_size:,} "
             f"of {plan.cfg.block_size:,} ({plan.cfg.cp_size})",
             "Ulysses all-to-all GB sent per rank per step": f"{sent['ulysses'] / GB:.3f}"} if plan.cfg.cp_size > 1 else {}),
+        **({"experts of each MoE layer a rank computes (ep_size)": f"{plan.model.config.moe_experts // plan.ep} "
+            f"of {plan.model.config.moe_experts} ({plan.ep})",
+            "expert all-to-all GB sent per rank per step": f"{sent['expert all-to-all'] / GB:.3f}"} if plan.ep > 1 else {}),
         **({"muon exchange GB sent per rank per step": f"{sent['muon exchange'] / GB:.3f}",
             "Newton-Schulz FLOPs / training FLOPs, busiest rank": f"{newton_schulz_share(plan.model, plan.tokens, plan.gpus, plan.gpus):.2e}"}
            if plan.cfg.optimizer == "muon" else {}),
@@ -188,6 +223,9 @@ def main(argv: list[str]) -> int:
         print(f"vocab_size: {GPT2_VOCAB} (GPT-2's tokens; set --vocab_size=N for other data)")
     if args.gpus % cfg.cp_size:
         raise UserError(f"cp_size={cfg.cp_size} must divide --gpus={args.gpus}")
+    hybrid_shard = cfg.fsdp_size or args.gpus_per_node
+    if hybrid_shard % cfg.ep_size:
+        raise UserError(f"ep_size={cfg.ep_size} must divide HYBRID_SHARD's shard group of {hybrid_shard} GPUs")
     shares = args.gpus // cfg.cp_size
     if cfg.train_batch % (cfg.micro_batch * shares):
         split = f"{shares} data-parallel shares ({args.gpus} GPUs / cp_size {cfg.cp_size})" if cfg.cp_size > 1 else \
@@ -195,7 +233,7 @@ def main(argv: list[str]) -> int:
         raise UserError(f"train_batch={cfg.train_batch} must be a multiple of micro_batch={cfg.micro_batch} x {split}: "
                         f"set --train_batch")
     plans = {"FULL_SHARD": Plan(cfg, args.gpus, args.gpus),
-             "HYBRID_SHARD": Plan(cfg, args.gpus, cfg.fsdp_size or args.gpus_per_node)}
+             "HYBRID_SHARD": Plan(cfg, args.gpus, hybrid_shard)}
     plan = plans["FULL_SHARD"]
     print(f"{plan.numel:,} parameters stored (position embeddings included), {args.gpus} GPUs ({args.gpus_per_node} per node), "
           f"{plan.micro_steps} micro-steps of {cfg.micro_batch} x {cfg.block_size // cfg.cp_size} tokens per rank per step, "

@@ -67,3 +67,28 @@ def test_plan_counts_the_context_groups_all_to_alls(capsys):
     assert sent["false"] == pytest.approx(8 * 32 * 80 * 4096 * 128 * 2 * 7 / 8 * 2 / 1e9, abs=1e-3)
     assert sent["true"] == pytest.approx(sent["false"] * 3 / 2, abs=1e-3)
 
+
+
+QWEN3_30B_A3B = ["--arch=llama", "--n_layer=48", "--n_embd=2048", "--n_head=32", "--n_kv_head=4", "--head_dim=128",
+                 "--qk_norm=true", "--tie_embeddings=false", "--vocab_size=151936", "--moe_experts=128", "--moe_top_k=8",
+                 "--moe_hidden=768", "--block_size=4096", "--micro_batch=1", "--train_batch=512", "--dtype=bf16"]
+
+
+def test_plan_of_qwen3_30b_a3b_with_expert_parallelism(capsys):
+    """Qwen3-30B-A3B on 64 GPUs, experts over 8: 30.5B parameters, 1/64 of them per rank under
+    FULL_SHARD whatever ep_size; each MoE layer sends every token's 8 copies out and back, 7/8 of
+    them off the rank, in forward and backward."""
+    assert main([os.path.join(ROOT, "config", "llama_124M.yaml"), "--gpus", "64", *QWEN3_30B_A3B, "--ep_size=8"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("30,532,128,768 parameters stored")
+    table = {line.split(" | ")[0][2:]: line.split(" | ")[1:] for line in out.splitlines() if line.startswith("| ")}
+    assert float(table["parameters GB per rank (fp32)"][0]) == pytest.approx(30_532_128_768 * 4 / 64 / 1e9, abs=1e-3)
+    assert table["experts of each MoE layer a rank computes (ep_size)"][0] == "16 of 128 (8)"
+    # 8 micro-steps x 2 passes x 48 layers x (out and back) x 4096 x 8 copies x 2048 wide x 2 bytes x 7/8
+    expected = 8 * 2 * 48 * 2 * 4096 * 8 * 2048 * 2 * 7 / 8 / 1e9
+    assert float(table["expert all-to-all GB sent per rank per step"][0]) == pytest.approx(expected, abs=1e-3)
+    # the experts gather 1/8 of themselves in groups of 8 instead of all of themselves over 64
+    assert main([os.path.join(ROOT, "config", "llama_124M.yaml"), "--gpus", "64", *QWEN3_30B_A3B]) == 0
+    plain = {line.split(" | ")[0][2:]: line.split(" | ")[1:] for line in capsys.readouterr().out.splitlines()
+             if line.startswith("| ")}
+    assert float(table["all-gather GB sent per rank per step"][0]) < float(plain["all-gather GB sent per rank per step"][0]) / 5
