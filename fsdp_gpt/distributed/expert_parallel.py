@@ -20,10 +20,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
+from fsdp_gpt.distributed.launch import Topology
 from fsdp_gpt.model import GPT
-from fsdp_gpt.moe import GroupedExperts
+from fsdp_gpt.moe import MoE, GroupedExperts
 
 
 # FSDP's mesh for the experts by the dimensions of everyone else's: the flat mesh's ranks that hold
@@ -79,3 +81,15 @@ def apply_expert_parallel(gpt: GPT, ep_mesh: DeviceMesh) -> None:
         moe.experts.c_proj = _sharded_over(moe.experts.c_proj, ep_mesh)
         moe.experts.__class__ = LocalExperts
         moe.run_experts = dispatch
+
+
+def shard_experts(moe: MoE, topo: Topology, reshard: bool, shard_args: dict) -> None:
+    """One MoE layer's experts as an FSDP unit of their own, sharded over the ranks that hold the same
+    experts (efsdp, beside HYBRID_SHARD's replicas), their gradients averaged over the world."""
+    unit = fully_shard(moe.experts, reshard_after_forward=reshard,
+                       **(shard_args | dict(mesh=topo.expert_mesh[EXPERT_FSDP_DIMS[topo.mesh.ndim]])))
+    unit.set_gradient_divide_factor(topo.world_size)
+    # gloo sums (parallelize.py says why), but where no rank shares these experts (ep_size = the
+    # shard group): nothing is reduce-scattered there, and torch 2.13 divides a forced sum of a group
+    # of one twice (in the copy it makes instead, and after it); unforced, the copy divides once
+    unit.set_force_sum_reduction_for_comms(topo.device.type != "cuda" and topo.expert_mesh["efsdp"].size() > 1)

@@ -9,7 +9,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.nn.parallel import DistributedDataParallel
 
 from fsdp_gpt.distributed.context_parallel import apply_context_parallel
-from fsdp_gpt.distributed.expert_parallel import EXPERT_FSDP_DIMS, apply_expert_parallel
+from fsdp_gpt.distributed.expert_parallel import apply_expert_parallel, shard_experts
 from fsdp_gpt.distributed.launch import STRATEGY_TABLE, Topology, agree
 from fsdp_gpt.distributed.precision import DTYPES, autocast, compute_dtype
 from fsdp_gpt.hf_format import read_hf_folder
@@ -52,29 +52,18 @@ def build_model(cfg, gpt_cfg: GPTConfig, topo: Topology) -> torch.nn.Module:
         if cfg.cpu_offload:
             shard_args["offload_policy"] = CPUOffloadPolicy(pin_memory=topo.device.type == "cuda")
             param_device = torch.device("cpu")
-        expert_units = []
         for i, block in enumerate(model.blocks):
             # the last block's parameters are needed first in backward: keep them gathered
             keep = reshard and i < len(model.blocks) - 1
             if topo.ep_size > 1 and isinstance(block.mlp, MoE):
-                # the experts as a unit of their own, sharded over the ranks that hold the same ones
-                experts_mesh = topo.expert_mesh[EXPERT_FSDP_DIMS[topo.mesh.ndim]]
-                expert_units.append(fully_shard(block.mlp.experts, reshard_after_forward=keep,
-                                                **(shard_args | dict(mesh=experts_mesh))))
-                expert_units[-1].set_gradient_divide_factor(topo.world_size)  # expert_parallel.py says why
+                shard_experts(block.mlp, topo, keep, shard_args)
             fully_shard(block, reshard_after_forward=keep, **shard_args)
         fully_shard(model, **shard_args)  # the root: embeddings, final norm, tied LM head
         if topo.device.type != "cuda":
             # FSDP2 averages gradients with ReduceOp.AVG, which gloo sums without dividing in torch
             # 2.8: on gloo, sum and divide by the data-parallel size instead (NCCL keeps AVG)
-            for unit in (*model.blocks, model, *expert_units):
+            for unit in (*model.blocks, model):
                 unit.set_force_sum_reduction_for_comms(True)
-            if topo.expert_mesh is not None and topo.expert_mesh["efsdp"].size() == 1:
-                # experts no rank shares (ep_size = the shard group): nothing to reduce-scatter, and a
-                # forced sum would be divided twice by the divide factor (once in the copy FSDP makes
-                # for a group of one, once after it: torch 2.13); unforced, the copy divides once
-                for unit in expert_units:
-                    unit.set_force_sum_reduction_for_comms(False)
     model.to_empty(device=param_device)
     model.tie_weights()
     # Same seed (or folder), same weights for any world size: rank 0 alone builds the full model
