@@ -292,6 +292,11 @@ def check_moe(cfg: TrainConfig) -> None:
     if cfg.ep_size < 1 or (cfg.ep_size > 1 and not (cfg.moe_experts and cfg.fsdp and cfg.sharding_strategy in EP_STRATEGIES)):
         raise UserError(f"ep_size={cfg.ep_size} needs moe_experts and FSDP with {', '.join(EP_STRATEGIES)} (DDP and "
                         f"NO_SHARD hold every weight whole on every rank): ep_size must be 1 otherwise")
+    if cfg.ep_size > 1 and cfg.reduce_dtype == "fp16":
+        # torch 2.13 splits an fp16 reduction's divide factor into a pre- and a post-division and, for
+        # a group of one (ep_size = the shard group), divides by the whole factor again in between
+        raise UserError("ep_size with reduce_dtype: fp16 is not built (experts no other rank holds would get their "
+                        "gradients divided twice): use reduce_dtype fp32 or bf16")
     if not cfg.moe_experts:
         moe = [f.name for f in dataclasses.fields(cfg) if f.name.startswith("moe_") and getattr(cfg, f.name) != f.default]
         if moe:

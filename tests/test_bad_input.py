@@ -62,6 +62,7 @@ def one_line(code, capsys, *phrases):
     ({"arch": "llama", "moe_experts": 4, "ep_size": 2, "fsdp": False}, ["ep_size=2 needs moe_experts and FSDP", "DDP"]),
     ({"arch": "llama", "moe_experts": 4, "ep_size": 2, "sharding_strategy": "NO_SHARD"}, ["NO_SHARD hold every weight"]),
     ({"arch": "llama", "moe_experts": 4, "ep_size": 2}, ["ep_size=2 must divide the world size 1"]),
+    ({"arch": "llama", "moe_experts": 4, "ep_size": 2, "reduce_dtype": "fp16"}, ["ep_size with reduce_dtype: fp16"]),
     ({"init_from": "no/such/folder"}, ["init_from: no/such/folder/ has no config.json"]),
     ({"sharding_strategy": "HYBRID_SHARD", "fsdp_size": 2}, ["HYBRID_SHARD with fsdp_size=2 needs at least 2 ranks"]),
     ({"data_source": None, "data_path": "no/such/folder"}, ["no prepared data in 'no/such/folder'"]),

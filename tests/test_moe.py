@@ -228,20 +228,24 @@ def test_the_resume_is_bitwise_and_resharding_keeps_the_run(runs, corpus, tmp_pa
 
 @pytest.mark.slow
 def test_expert_parallel_checkpoints_resume_on_any_layout(runs, corpus, tmp_path):
-    """ep_size 2's sharded set at step 3: on its own layout bit for bit; on 4 ranks with ep_size 4 and
-    on one process within 1e-4. ep_size 4's full checkpoint: read by a plain process."""
+    """ep_size 2's sharded set at step 3: on its own layout bit for bit, and with activation
+    checkpointing and compile (the dispatch recomputed, compiled around its host counts) within 1e-4;
+    on 4 ranks with ep_size 4 and on one process within 1e-4. ep_size 4's full checkpoint: read by
+    a plain process."""
     original = runs("ep2")
     path = checkpoint_of(original, "sharded", 3, rank=0)
     expected = logged(original, "train/loss")
-    for nproc, ep_size in ((2, 2), (4, 4), (1, 1)):
-        folder = tmp_path / f"ep{ep_size}"
+    compiled = dict(activation_checkpointing=True, compile=True)
+    for name, nproc, ep_size, switches in (("same", 2, 2, {}), ("compiled", 2, 2, compiled), ("ep4", 4, 4, {}),
+                                           ("one", 1, 1, {})):
+        folder = tmp_path / name
         folder.mkdir()
         run_trainer(str(folder), nproc=nproc, resume_from=path,
-                    **(MOE | corpus | LAYOUTS["ep2"][1] | dict(ep_size=ep_size)))
+                    **(MOE | corpus | LAYOUTS["ep2"][1] | dict(ep_size=ep_size) | switches))
         got = logged(str(folder), "train/loss")
         assert sorted(got) == [4, 5, 6]
         for step in got:
-            assert (got[step] == expected[step]) if ep_size == 2 else got[step] == pytest.approx(expected[step], rel=1e-4)
+            assert (got[step] == expected[step]) if name == "same" else got[step] == pytest.approx(expected[step], rel=1e-4)
         assert logged(str(folder), "train/grad_norm")[6] == pytest.approx(logged(original, "train/grad_norm")[6], rel=1e-4)
     full = checkpoint_of(runs("ep4_muon"), "full", 6)
     assert evaluated(full) == pytest.approx(logged(runs("ep4_muon"), "val/loss")[6], rel=1e-5)

@@ -58,7 +58,8 @@ class ExpertParallel:
         rows = all_to_all_single_autograd(x, receive, send, self.group)  # (sender, my expert)-ordered
         # regroup by my expert (a stable sort keeps each sender's rows in order), compute, undo
         local_experts = received.shape[1]
-        expert_of_row = torch.arange(local_experts, device=x.device).repeat(self.ep).repeat_interleave(received.flatten())
+        expert_of_row = torch.arange(local_experts, device=x.device).repeat(self.ep).repeat_interleave(
+            received.flatten(), output_size=sum(receive))  # output_size: no second sync
         order = expert_of_row.argsort(stable=True)
         out = experts(rows[order], received.sum(0))  # through __call__: FSDP gathers the group's experts
         inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
