@@ -32,6 +32,11 @@ def expert_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> tor
     w = w.to(x.dtype)  # under autocast x is in the compute dtype, the stacked weights are not cast for us
     if grouped_mm_runs(x, w):
         return torch._grouped_mm(x, w.transpose(-2, -1), offs=counts.cumsum(0).to(torch.int32))
+    return matmul_per_expert(x, w, counts)
+
+
+@torch.compiler.disable  # eager: traced, its host split sizes would recompile the block at every new routing
+def matmul_per_expert(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     return torch.cat([rows @ w_e.T for rows, w_e in zip(x.split(counts.tolist()), w)])
 
 

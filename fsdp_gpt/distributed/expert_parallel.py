@@ -47,6 +47,7 @@ class ExpertParallel:
     def __init__(self, ep_mesh: DeviceMesh):
         self.group, self.ep = ep_mesh.get_group(), ep_mesh.size()
 
+    @torch.compiler.disable  # eager: traced, the host split sizes would recompile the block at every new routing
     def __call__(self, experts: GroupedExperts, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x (rows, width) grouped by expert, counts (experts,) -> (rows, width) in x's order."""
         per_rank = counts.view(self.ep, -1)  # (ep, local experts): what I send to each rank, per its expert
