@@ -126,6 +126,9 @@ def mc_file(check: Check) -> str:
     return path
 
 
+# the mixture of the moe rows: 8 experts, top 2, both balancing schemes, compiled
+MOE = ["--arch=llama", "--qk_norm=true", "--moe_experts=8", "--moe_top_k=2", "--moe_bias_rate=0.001",
+       "--moe_aux_loss=0.001", "--compile=true"]
 ROWS = [
     # both log every step: the resumed run's first step is the one compared bitwise
     Row("fsdp_bf16", "GPT-2 90M, force_fsdp: FSDP2 bf16 mixed precision, eager; async sharded saves; "
@@ -142,9 +145,7 @@ ROWS = [
         "Express, NorMuon, cautious decay), force_fsdp, bf16, compiled",
         ["config/recipe_124M.yaml"] + FSDP + ["--compile=true", "--checkpoint_type=sharded"], check=learns),
     Row("moe", "train90M's body as a Llama mixture (8 experts, top 2, qk_norm), force_fsdp, bf16, compiled: "
-        "the experts through torch._grouped_mm, the balancing bias", GPT2 + FSDP + [
-            "--arch=llama", "--qk_norm=true", "--moe_experts=8", "--moe_top_k=2", "--moe_bias_rate=0.001",
-            "--moe_aux_loss=0.001", "--compile=true"], check=learns, cap=150),
+        "the experts through torch._grouped_mm, the balancing bias", GPT2 + FSDP + MOE, check=learns, cap=150),
     Row("demo", "config/demo_cpu.yaml as it is (one process, unwrapped)", ["config/demo_cpu.yaml"], check=learns,
         cap=120),
     Row("one_gpu_fp32", "the reference of 2gpu_fp32: force_fsdp, fp32 (TF32)", GPT2 + FSDP + ["--dtype=fp32"],
@@ -158,6 +159,8 @@ ROWS = [
     Row("2gpu_offload", "2 ranks HYBRID_SHARD with cpu_offload: pinned host state, nccl and gloo in one group",
         GPT2 + FSDP + ["--sharding_strategy=HYBRID_SHARD", "--fsdp_size=1", "--cpu_offload=true"], nproc=2, gpus=2,
         check=learns),
+    Row("2gpu_ep", "2 ranks, the moe row's mixture with ep_size 2: 4 experts a rank, tokens through NCCL "
+        "all-to-alls", GPT2 + FSDP + MOE + ["--ep_size=2"], nproc=2, gpus=2, check=learns, cap=150),
 ]
 
 

@@ -110,8 +110,9 @@ class Plan:
         Muon the fp32 slices of the matrices (NorMuon: a column more) to their owners and back (two
         all-to-alls)."""
         cfg, n, r = self.cfg, self.shard, self.replicas
+        # the 2-D matrices only: stacked experts are orthogonalised where they are, nothing exchanged
         matrices = 4 * sum(shape[0] * (shape[1] + cfg.normuon) for name, shape in self.params
-                           if cfg.optimizer == "muon" and is_muon_matrix(name, shape))
+                           if cfg.optimizer == "muon" and is_muon_matrix(name, shape) and len(shape) == 2)
         # a replica's share (1/r of the matrices): slices to their owners and back in the shard
         # group; then every rank's slices all-gathered across the replicas
         muon_exchange = 2 * matrices / r / n * (n - 1) / n + matrices / n * (r - 1) / r

@@ -153,7 +153,8 @@ class TrainConfig:
     cp_size: int = key(1, "context parallelism: ranks that split each row's block_size tokens (Ulysses: dividing "
                           "the world size, n_head, n_kv_head and block_size)")
     ep_size: int = key(1, "expert parallelism: ranks that split each MoE layer's experts, tokens sent to them by "
-                          "all-to-all (dividing moe_experts and the world size, or fsdp_size under HYBRID_SHARD)")
+                          "all-to-all; divides moe_experts and the shard group (the world, or HYBRID_SHARD's "
+                          "fsdp_size or node); FSDP's FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD(_ZERO2)")
     doc_mask: bool = key(False, "attention stops at the data's separator token between documents inside a row "
                                 "(the separator opens the document after it)")
     world_size: int | None = key(None, "the launch size the config was written for: another is reported, not "
