@@ -84,13 +84,14 @@ class Plan:
         shard). Experts under ep_size: expert group member i % ep holds experts j*E/ep.., FSDP's slice
         i // ep of them."""
         i = rank % self.shard
-        slices = {name: dim0_shard(shape[0], self.shard, i) for name, shape in self.params}
-        for name, shape in self.params:
-            if is_expert(name) and self.ep > 1:
-                group = shape[0] // self.ep
-                offset, rows = dim0_shard(group, self.shard // self.ep, i // self.ep)
-                slices[name] = ((i % self.ep) * group + offset, rows)
-        return slices
+        return {name: self.expert_slice(shape, i) if is_expert(name) else dim0_shard(shape[0], self.shard, i)
+                for name, shape in self.params}
+
+    def expert_slice(self, shape: torch.Size, i: int) -> tuple[int, int]:
+        """(offset, rows) of shard index i of a stacked expert weight (at ep_size 1: dim0_shard's)."""
+        group = shape[0] // self.ep
+        offset, rows = dim0_shard(group, self.shard // self.ep, i // self.ep)
+        return (i % self.ep) * group + offset, rows
 
     def state_bytes(self, rank: int) -> dict:
         """fp32 parameters, gradients and optimizer state held by `rank`."""
@@ -118,7 +119,7 @@ class Plan:
         muon_exchange = 2 * matrices / r / n * (n - 1) / n + matrices / n * (r - 1) / r
         regathered = [(name, shape) for unit in self.units[:-2] for name, shape in unit]  # root last, last block before it
         # under ep_size the experts gather (and reduce) 1/ep of themselves in groups of n/ep
-        e, group = (self.ep, n // self.ep) if self.ep > 1 else (1, n)
+        e, group = self.ep, n // self.ep
         experts = self.expert_numel + sum(shape.numel() for name, shape in regathered if is_expert(name))
         others = self.numel + sum(shape.numel() for _, shape in regathered) - experts
         gathers = self.micro_steps * BYTES[cfg.dtype] * (others * (n - 1) / n + experts / e * (group - 1) / group)

@@ -56,8 +56,7 @@ def probe() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
     experts = 2 * world
-    x, y = torch.randint(0, 64, (2 * world, 16), generator=torch.Generator().manual_seed(1)).split(1), None
-    x = torch.cat(x)
+    x = torch.randint(0, 64, (2 * world, 16), generator=torch.Generator().manual_seed(1))
     y = (x + 1) % 64
     report = {}
     for case, (top_k, favoured) in CASES.items():
@@ -79,11 +78,11 @@ def probe() -> None:
         diffs = {"loss": abs(total.item() / world - loss.item()),
                  "logits": (my_logits - logits[mine]).abs().max().item()}
         diffs |= {name: (got[name] - expected[name]).abs().max().item() for name in expected}
-        received = split.blocks[0].mlp.pending  # (experts + 2): this rank's routed counts, all experts
+        routed = split.blocks[0].mlp.pending  # (experts + 2): this rank's tokens per expert, then two figures
         gathered = [None] * world
         dist.all_gather_object(gathered, diffs)
         report[case] = {"largest": max(max(d.values()) for d in gathered), "scale": loss.item(),
-                        "counts": received[:experts].tolist() if received is not None else None}
+                        "counts": routed[:experts].tolist()}
     if rank == 0:
         print(json.dumps(report))
     dist.barrier()

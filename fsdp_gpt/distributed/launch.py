@@ -148,8 +148,8 @@ def init_distributed(cfg) -> Topology:
 
 def build_mesh(cfg, world: int, local_world: int, device: torch.device,
                wrap: str) -> tuple[DeviceMesh | None, DeviceMesh | None]:
-    """FSDP's mesh, and with ep_size > 1 the expert mesh it is a flattening of (FSDP needs both cut
-    from one mesh to shard a weight the expert group shards already)."""
+    """FSDP's mesh, and with ep_size > 1 the same mesh with its shard dimension unflattened into
+    (efsdp, ep) (FSDP needs both views of one mesh to shard a weight the expert group shards already)."""
     if not cfg.fsdp:
         return None, None
     layout, _ = STRATEGY_TABLE[cfg.sharding_strategy]

@@ -13,6 +13,11 @@ def dim0_shard(rows: int, n: int, i: int) -> tuple[int, int]:
     return start, min(start + chunk, rows) - start
 
 
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a (possibly sharded) tensor: a DTensor's local tensor, a plain one itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def local_slice(t: torch.Tensor) -> tuple[torch.Tensor, int]:
     """This rank's dim-0 slice of a (possibly FSDP-sharded) tensor and its global offset."""
     if not isinstance(t, DTensor):
@@ -20,7 +25,7 @@ def local_slice(t: torch.Tensor) -> tuple[torch.Tensor, int]:
     # DTensor's own arithmetic: an expert-parallel weight is sharded twice along dim 0 (its expert
     # group's share, then FSDP's slice of that), which a sum of per-dimension offsets gets wrong
     _, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-    return t.to_local(), offsets[0]
+    return local_part(t), offsets[0]
 
 
 def zero_rows(like: torch.Tensor, row_shape) -> torch.Tensor:

@@ -4,9 +4,7 @@ there each mesh's norm is made whole (a collective on every rank) and the norms 
 import torch
 from torch.distributed.tensor import DTensor
 
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+from fsdp_gpt.distributed.shards import local_part
 
 
 def clip_gradients(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
@@ -19,5 +17,5 @@ def clip_gradients(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
     by_mesh = [[g for g in grads if getattr(g, "device_mesh", None) == mesh] for mesh in meshes]
     norms = [torch.nn.utils.get_total_norm(group) for group in by_mesh]
     total = torch.linalg.vector_norm(torch.stack([n.full_tensor() if isinstance(n, DTensor) else n for n in norms]))
-    torch._foreach_mul_([_local(g) for g in grads], (max_norm / (total + 1e-6)).clamp(max=1.0))
+    torch._foreach_mul_([local_part(g) for g in grads], (max_norm / (total + 1e-6)).clamp(max=1.0))
     return total

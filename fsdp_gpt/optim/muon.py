@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw
 
-from fsdp_gpt.distributed.shards import dim0_shard, zero_rows
+from fsdp_gpt.distributed.shards import dim0_shard, local_part, zero_rows
 from fsdp_gpt.distributed.compat import all_gather_flat
 from fsdp_gpt.distributed.precision import native_bf16
 
@@ -109,10 +109,6 @@ def rms_matching_scale(shape: torch.Size) -> float:
     """An orthogonal (rows, cols) matrix has RMS 1/sqrt(max(rows, cols)), an AdamW update about
     0.2 (Moonlight, arXiv:2502.16982): with this scale Muon takes AdamW's learning rate and decay."""
     return ADAMW_UPDATE_RMS * math.sqrt(max(shape[-2], shape[-1]))
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class MatrixExchange:
@@ -251,10 +247,10 @@ class MuonWithAdamW(torch.optim.Optimizer):
                 state["momentum_buffer"] = torch.zeros_like(p)
             if self.normuon and "row_second_moment" not in state:  # also a Muon checkpoint resumed with NorMuon
                 state["row_second_moment"] = zero_rows(p, (*p.shape[1:-1], 1))
-            buf, grad, mu = _local(state["momentum_buffer"]), _local(p.grad), group["momentum"]
+            buf, grad, mu = local_part(state["momentum_buffer"]), local_part(p.grad), group["momentum"]
             _assign(buf, buf.lerp(grad, 1 - mu), keep)
             update = grad.lerp(buf, mu)
-            updates.append(torch.cat([update, _local(state["row_second_moment"])], dim=-1) if self.normuon else update)
+            updates.append(torch.cat([update, local_part(state["row_second_moment"])], dim=-1) if self.normuon else update)
         shared = [i for i, (p, _) in enumerate(matrices) if p.dim() == 2]  # exchanged; stacked experts are local
         shapes = [(matrices[i][0].shape[0], matrices[i][0].shape[1] + self.normuon) for i in shared]
         for start in range(0, len(shared), self.exchange.round):
@@ -271,10 +267,10 @@ class MuonWithAdamW(torch.optim.Optimizer):
         scale = 1.0  # NorMuon's update is at RMS 0.2 already
         if self.normuon:
             moment, update = update[..., -1:], update[..., :-1]
-            _assign(_local(self.state[p]["row_second_moment"]), moment, keep)
+            _assign(local_part(self.state[p]["row_second_moment"]), moment, keep)
         else:
             scale = rms_matching_scale(p.shape)
-        weight = _local(p)
+        weight = local_part(p)
         decay = group["lr"] * group["weight_decay"]
         if self.cautious:  # elementwise on this rank's rows: no communication
             decay = decay * (update * weight > 0)
