@@ -29,6 +29,7 @@ from fsdp_gpt.distributed.launch import Topology, backend_for, wrapping
 from fsdp_gpt.data.loader import BatchLoader
 from fsdp_gpt.evaluation.mc_eval import Item, mc_sums
 from fsdp_gpt.model import GPT, GPTConfig
+from fsdp_gpt.resilience.watchdog import nccl_failure_settings
 
 
 def test_every_tensor_written_is_a_host_copy():
@@ -161,6 +162,17 @@ def test_mfu_peak_by_exact_gpu_name_and_compute_dtype(name, bf16, fp32, monkeypa
     cuda = torch.device("cuda", 0)
     assert peak_flops.gpu_peak_flops(cuda, torch.bfloat16) == peak_flops.gpu_peak_flops(cuda, torch.float16) == bf16
     assert peak_flops.gpu_peak_flops(cuda, torch.float32) == fp32
+
+
+@pytest.mark.parametrize("version, variable", [("2.8.0", "TORCH_NCCL_TRACE_BUFFER_SIZE"),
+                                               ("2.11.0+cu130", "TORCH_FR_BUFFER_SIZE"), ("2.13.0", "TORCH_FR_BUFFER_SIZE")])
+def test_flight_recorder_sized_by_the_name_its_torch_reads(version, variable, monkeypatch):
+    """torch 2.11 warned at every process group of the H200 run while the old name was set; 2.8
+    knows only the old one. Exactly one of the two is set."""
+    monkeypatch.setattr(torch, "__version__", version)
+    settings = nccl_failure_settings("run")
+    assert settings[variable] == "2000"
+    assert {"TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_BUFFER_SIZE"} & set(settings) == {variable}
 
 
 def test_nccl_is_bound_to_its_gpu_unless_gloo_shares_the_group():

@@ -2,6 +2,7 @@
 Shared by the checkpoint files, Muon's gather of whole matrices and the per-rank statistics."""
 import torch
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 
@@ -31,10 +32,15 @@ def local_slice(t: torch.Tensor) -> tuple[torch.Tensor, int]:
 def zero_rows(like: torch.Tensor, row_shape) -> torch.Tensor:
     """Zeros of shape (rows of `like`, *row_shape), sharded and placed as `like` is: optimizer state
     whose slices follow their parameter's rows through saving, loading and resharding (AdamW's
-    moments and Muon's momentum: row_shape = like.shape[1:]; NorMuon's moments: (1,))."""
+    moments and Muon's momentum: row_shape = like.shape[1:]; NorMuon's moments: (1,)).
+
+    Built as FSDP2 builds its shards (DTensor's constructor, not from_local): from_local moves the
+    local tensor to the mesh's device type, so under cpu_offload (a CUDA mesh, host shards) the
+    state would land on the GPU beside host parameters, and fused AdamW refuses the mix."""
     shape = torch.Size((like.shape[0], *row_shape))
     if not isinstance(like, DTensor):
         return like.new_zeros(shape)
     local = like.to_local()
-    return DTensor.from_local(local.new_zeros(local.shape[0], *row_shape), like.device_mesh, like.placements,
-                              run_check=False, shape=shape, stride=torch.empty(shape, device="meta").stride())
+    meta = TensorMeta(shape, torch.empty(shape, device="meta").stride(), local.dtype)
+    return DTensor(local.new_zeros(local.shape[0], *row_shape), DTensorSpec(like.device_mesh, like.placements, meta),
+                   requires_grad=False)

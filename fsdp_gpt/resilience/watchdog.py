@@ -34,6 +34,8 @@ from datetime import timedelta
 
 import torch
 
+from fsdp_gpt.distributed.compat import flight_recorder_buffer_variable
+
 FIRED = threading.Event()  # set while a hang is reported: the process ends through the watchdog, not its main thread
 TICK = 1.0  # seconds between the thread's looks at the clock (and at the store's "fired" key)
 ANSWER_WAIT = 10.0  # seconds a rank waits for the others' answers before it reports
@@ -54,10 +56,11 @@ def process_group_timeout(cfg) -> timedelta:
 def nccl_failure_settings(run_dir: str) -> dict[str, str]:
     """Environment for NCCL's process group, read when it is made: a timeout tears the process down
     (so torchrun restarts the job), and the flight recorder keeps each rank's last 2000 collectives
-    and dumps them into the run's folder on a timeout (old and new names of each variable)."""
+    and dumps them into the run's folder on a timeout (the dump file by its old and new names; the
+    buffer by the one name this torch reads without a warning)."""
     prefix = os.path.join(os.path.abspath(run_dir), "hang", "flight_recorder_rank")
     return {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-            "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_FR_BUFFER_SIZE": "2000",
+            flight_recorder_buffer_variable(): "2000",
             "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix, "TORCH_FR_DUMP_TEMP_FILE": prefix}
 
 
