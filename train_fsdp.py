@@ -58,7 +58,7 @@ def describe_run(cfg, topo: Topology, accum_steps: int, dtype: torch.dtype) -> N
         print(f"note: config written for world_size={cfg.world_size}, launched with {world} ranks; "
               f"train_batch={cfg.train_batch} stays global, so accumulation is now {accum_steps} micro-steps")
     print(f"{world} ranks, {cfg.sharding_strategy if cfg.fsdp else 'DDP'}, mesh {topo.describe_mesh()}, "
-          f"{f'context parallel {cfg.cp_size} (each row over {cfg.cp_size} ranks), ' if cfg.cp_size > 1 else ''}"
+          f"{f'context parallel {cfg.cp_size} ({cfg.cp_mode}, each row over {cfg.cp_size} ranks), ' if cfg.cp_size > 1 or cfg.cp_mode == 'ring' else ''}"
           f"{f'expert parallel {cfg.ep_size} ({cfg.moe_experts // cfg.ep_size} experts a rank), ' if cfg.ep_size > 1 else ''}"
           f"{'model not wrapped (one process: nothing to shard), ' if topo.wrap == 'none' else ''}"
           f"gradient accumulation {accum_steps}, compute dtype {dtype}", flush=True)
@@ -85,7 +85,7 @@ def forward_backward(model, loader: BatchLoader, step: int, accum_steps: int, ti
     for micro_step, (x, y) in enumerate(times.batches(loader.micro_batches(step))):
         set_gradient_sync(model, micro_step == accum_steps - 1)
         with compute():
-            _, loss = model(x, y, start=loader.start, separator=separator)
+            _, loss = model(x, y, positions=loader.positions, separator=separator)
         scaler.scale(loss / accum_steps).backward()
         loss_sum += loss.detach()
     world = dist.get_world_size()

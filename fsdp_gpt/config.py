@@ -37,6 +37,7 @@ DTYPES = ("auto", "bf16", "fp16", "fp32")
 OPTIMIZERS = ("adamw", "muon")
 LR_SCHEDULES = ("cosine", "wsd", "constant")
 DECAY_SHAPES = ("linear", "1-sqrt")
+CP_MODES = ("ulysses", "ring")
 # arch first: a checkpoint of the other layout is reported as that, not as its first consequence (bias)
 MODEL_SHAPE_KEYS = ("arch", "vocab_size", "block_size", "n_layer", "n_head", "n_embd", "bias", "n_kv_head",
                     "rope_theta", "rope_scaling", "qk_norm", "tie_embeddings", "ffn_hidden", "norm_eps", "mlp", "logit_softcap", "value_embeds", "head_dim",
@@ -150,8 +151,12 @@ class TrainConfig:
     cpu_offload: bool = key(False, "FSDP: parameters, gradients and optimizer state in host memory")
     activation_checkpointing: bool = key(False, "recompute each DecoderBlock's activations in backward")
     compile: bool = key(False, "torch.compile each DecoderBlock")
-    cp_size: int = key(1, "context parallelism: ranks that split each row's block_size tokens (Ulysses: dividing "
-                          "the world size, n_head, n_kv_head and block_size)")
+    cp_size: int = key(1, "context parallelism: ranks that split each row's block_size tokens, dividing the world "
+                          "size (and n_head, n_kv_head and block_size under ulysses; 2 x cp_size divides block_size "
+                          "under ring)")
+    cp_mode: str = key("ulysses", "how attention sees the whole row under context parallelism: ulysses (an "
+                                  "all-to-all swaps tokens for heads) or ring (key/value blocks passed round the "
+                                  "ranks; no head-count limit)")
     ep_size: int = key(1, "expert parallelism: ranks that split each MoE layer's experts, tokens sent to them by "
                           "all-to-all; divides moe_experts and the shard group (the world, or HYBRID_SHARD's "
                           "fsdp_size or node); FSDP's FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD(_ZERO2)")
@@ -321,15 +326,26 @@ def check_moe(cfg: TrainConfig) -> None:
 
 
 def check_context_parallel(cfg: TrainConfig) -> None:
-    """cp_size against the model (the world size is checked at launch): Ulysses splits every row's
-    tokens and, for attention, the heads over the cp_size ranks."""
+    """cp_size and cp_mode against the model (the world size is checked at launch, the device and
+    dtype when the model is built): Ulysses splits every row's tokens and, for attention, the heads
+    over the cp_size ranks; the ring cuts each row into 2 x cp_size chunks."""
     cp = cfg.cp_size
     if cp < 1:
         raise UserError(f"cp_size must be 1 or more, got {cp}")
+    if cfg.cp_mode not in CP_MODES:
+        raise UserError(f"cp_mode '{cfg.cp_mode}' is not one of {', '.join(CP_MODES)}")
+    if cfg.cp_mode == "ring":
+        if cfg.block_size % (2 * cp):
+            raise UserError(f"cp_mode: ring needs 2 x cp_size = {2 * cp} to divide block_size={cfg.block_size}: each "
+                            f"rank holds two of the row's 2 x cp_size chunks")
+        if cfg.dropout:
+            raise UserError(f"dropout={cfg.dropout} with cp_mode: ring is not built (the ring's flash kernels take no "
+                            f"dropout): set dropout: 0.0 or cp_mode: ulysses")
+        return
     for name, value in (("n_head", cfg.n_head), ("n_kv_head", cfg.n_kv_head or cfg.n_head), ("block_size", cfg.block_size)):
         if value % cp:
-            raise UserError(f"cp_size={cp} must divide {name}={value}: context parallelism splits each row's tokens "
-                            f"and attention's heads over cp_size ranks")
+            raise UserError(f"cp_size={cp} must divide {name}={value}: Ulysses splits each row's tokens and "
+                            f"attention's heads over cp_size ranks (cp_mode: ring has no head-count limit)")
 
 
 LLAMA3_SCALING = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")

@@ -80,14 +80,15 @@ def llama3_scaled(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(between, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
 
 
-def rotary(cfg: GPTConfig, T: int, device: torch.device, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin (T, head_dim) of RoPE at positions start .. start+T-1: pair i of a head turns at
+def rotary(cfg: GPTConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin (T, head_dim) of RoPE at positions (T,): pair i of a head turns at
     theta^(-2i/head_dim) per position (Llama 3.1's scaling applied when rope_scaling is set).
     Computed in fp32 per forward (cheap): no buffer to move off the meta device."""
-    inv_freq = cfg.rope_theta ** (-torch.arange(0, cfg.head_dim, 2, device=device, dtype=torch.float32) / cfg.head_dim)
+    inv_freq = cfg.rope_theta ** (-torch.arange(0, cfg.head_dim, 2, device=positions.device,
+                                                dtype=torch.float32) / cfg.head_dim)
     if cfg.rope_scaling:
         inv_freq = llama3_scaled(inv_freq, cfg.rope_scaling)
-    angles = torch.outer(torch.arange(start, start + T, device=device, dtype=torch.float32), inv_freq)
+    angles = torch.outer(positions.float(), inv_freq)
     angles = torch.cat((angles, angles), dim=-1)  # rotate_half pairs dimension i with i + head_dim/2
     return angles.cos(), angles.sin()
 
@@ -99,36 +100,62 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
 
 
-def sdpa_takes_gqa(q: torch.Tensor, masked: bool = False) -> bool:
+def sdpa_takes_gqa(q: torch.Tensor) -> bool:
     """Whether scaled_dot_product_attention(enable_gqa=True) runs q's grouped-query attention
     without a T x T scores matrix. CPU's fused kernel takes it in every dtype; on CUDA only the
     flash kernel does (fp16/bf16 on sm80+, head_dim a multiple of 8 up to 256): elsewhere (fp32,
-    fp16 on a V100 or T4, and with a mask, which flash does not take) CUDA would fall back to the
-    math kernel."""
+    fp16 on a V100 or T4) CUDA would fall back to the math kernel."""
     if q.device.type != "cuda":
         return True
-    if masked:
-        return False
     head_dim = q.shape[-1]
     return (q.dtype in (torch.float16, torch.bfloat16) and torch.cuda.get_device_capability(q.device)[0] >= 8
             and head_dim % 8 == 0 and head_dim <= 256)
 
 
+class Documents:
+    """Where the documents of a micro-batch's rows lie, found once per forward for every layer:
+    ids (B, T), on the host, the document of each position of the whole row (a separator opens the
+    next: 0, 1, ... or 1, 2, ... where a row starts with one). Linear in T: no T x T mask."""
+
+    def __init__(self, ids: torch.Tensor):
+        self.ids = ids
+
+    @classmethod
+    def of_rows(cls, opens: torch.Tensor) -> "Documents":
+        """opens (B, T): the tokens of whole rows that open a document. One copy to the host."""
+        return cls(opens.cumsum(-1).cpu())
+
+    def lengths(self, row: int) -> list[int]:
+        """The lengths of a row's documents, in order (each at least 1: a separator is its document's first token)."""
+        return torch.unique_consecutive(self.ids[row], return_counts=True)[1].tolist()
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, enable_gqa: bool,
-                     opens: torch.Tensor | None = None) -> torch.Tensor:
+                     docs: Documents | None = None) -> torch.Tensor:
     """Attention's core: q (B, heads, T, head_dim), k and v (B, kv heads, T, head_dim) -> like q.
-    opens (B, T): the tokens that open a document (the separator), or None: the row is one sequence.
-    With documents, a token attends to the earlier tokens of its own document only: SDPA with that
-    mask runs the memory-efficient kernel on GPU (flash takes no mask) and the fused one on CPU.
-    Without, SDPA picks flash / memory-efficient kernels on GPU, a fused flash kernel on CPU."""
-    if opens is None:
+    docs: where documents lie in these rows, or None: each row is one sequence. SDPA picks the flash
+    or memory-efficient kernel on GPU, a fused flash kernel on CPU."""
+    if docs is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, enable_gqa=enable_gqa)
-    docs = opens.cumsum(-1)  # (B, T): which document of the row each token is in
-    T = docs.shape[-1]
-    causal = torch.ones(T, T, dtype=torch.bool, device=docs.device).tril()
-    mask = (docs.unsqueeze(-1) == docs.unsqueeze(-2)) & causal  # (B, T, T): the diagonal always allowed
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1), dropout_p=dropout_p,
-                                          enable_gqa=enable_gqa)
+    return document_attention(q, k, v, dropout_p, enable_gqa, docs)
+
+
+@torch.compiler.disable  # as many calls as documents: under compile the block breaks its graph here
+def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, enable_gqa: bool,
+                       docs: Documents) -> torch.Tensor:
+    """doc_mask: a token attends to the earlier tokens of its own document only. Each document is
+    computed alone, by one causal SDPA call on its slice of the row: no mask is built (the kernels
+    stay flash on GPU), memory is the unmasked call's, and the work is each document's length
+    squared, so a row of many short documents costs less than a row of one."""
+    rows = []
+    for row, qkv in enumerate(zip(q.unbind(0), k.unbind(0), v.unbind(0))):  # (heads, T, head_dim) each
+        lengths = docs.lengths(row)
+        # split, not slicing: the gradient of each piece lands in one tensor, not a row-sized one per document
+        pieces = zip(*(t.split(lengths, dim=1) for t in qkv))
+        rows.append(torch.cat([F.scaled_dot_product_attention(*(t.unsqueeze(0) for t in piece), is_causal=True,
+                                                              dropout_p=dropout_p, enable_gqa=enable_gqa)
+                               for piece in pieces], dim=2))
+    return torch.cat(rows)
 
 
 class CausalSelfAttention(nn.Module):
@@ -149,7 +176,7 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
-                idx: torch.Tensor | None = None, opens: torch.Tensor | None = None) -> torch.Tensor:
+                idx: torch.Tensor | None = None, docs: Documents | None = None) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split([self.n_head * self.head_dim] + [self.n_kv_head * self.head_dim] * 2, dim=2)
         if hasattr(self, "value_embed"):
@@ -162,10 +189,10 @@ class CausalSelfAttention(nn.Module):
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         grouped = self.n_kv_head != self.n_head
-        if grouped and not sdpa_takes_gqa(q, opens is not None):  # a key/value head per query head: memory-efficient kernels run
+        if grouped and not sdpa_takes_gqa(q):  # a key/value head per query head: memory-efficient kernels run
             k, v = (t.repeat_interleave(self.n_head // self.n_kv_head, dim=1) for t in (k, v))
             grouped = False
-        y = self.core(q, k, v, self.dropout if self.training else 0.0, grouped, opens)
+        y = self.core(q, k, v, self.dropout if self.training else 0.0, grouped, docs)
         y = y.transpose(1, 2).contiguous().view(B, T, self.n_head * self.head_dim)
         return self.resid_dropout(self.c_proj(y))
 
@@ -209,10 +236,10 @@ class DecoderBlock(nn.Module):
             self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                idx: torch.Tensor | None = None, opens: torch.Tensor | None = None) -> torch.Tensor:
-        """idx: the input tokens, for the value embeddings of the first value_embeds blocks; opens:
-        the tokens that open a document, where attention stops (None: none)."""
-        x = x + self.attn(self.ln_1(x), rope, idx, opens)
+                idx: torch.Tensor | None = None, docs: Documents | None = None) -> torch.Tensor:
+        """idx: the input tokens, for the value embeddings of the first value_embeds blocks; docs:
+        where the rows' documents lie, attention stopping at their edges (None: rows are single sequences)."""
+        x = x + self.attn(self.ln_1(x), rope, idx, docs)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -230,6 +257,9 @@ class GPT(nn.Module):
         self.tie_weights()
         # recompute each block's activations in backward instead of storing them
         self.activation_checkpointing = False
+        # where a forward's documents lie, from its tokens that open one (replaceable from outside:
+        # a rank holding a slice of each row learns the whole rows' from its context group)
+        self.documents = Documents.of_rows
         if self.wte.weight.device.type != "meta":
             self.init_weights()
 
@@ -256,28 +286,30 @@ class GPT(nn.Module):
             else:
                 nn.init.zeros_(p)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, start: int = 0,
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, positions: torch.Tensor | None = None,
                 separator: int | None = None):
-        """idx, targets: (B, T) token ids, at positions start .. start+T-1 of their rows (a slice of
-        each row, under context parallelism). separator: the token between documents (it opens the
-        one after it); attention does not cross it (None: rows are single sequences). Positions stay
-        the row's: RoPE's attention depends on distances alone, so a document attends the same
-        anywhere in a row. Returns logits (B, T, vocab) and the mean loss."""
+        """idx, targets: (B, T) token ids. positions (T,): where each column sits in its row (None:
+        0 .. T-1; under context parallelism a rank holds a slice of each row, or two). separator: the
+        token between documents (it opens the one after it); attention does not cross it (None: rows
+        are single sequences). Positions stay the row's: RoPE's attention depends on distances alone,
+        so a document attends the same anywhere in a row. Returns logits (B, T, vocab) and the mean loss."""
         B, T = idx.shape
-        assert start + T <= self.config.block_size, f"sequence of {start + T} exceeds block_size {self.config.block_size}"
+        assert T <= self.config.block_size, f"sequence of {T} exceeds block_size {self.config.block_size}"
+        if positions is None:
+            positions = torch.arange(T, device=idx.device)
         x = self.wte(idx)
         rope = None
         if self.config.arch == "gpt2":
-            x = x + self.wpe(torch.arange(start, start + T, device=idx.device))
+            x = x + self.wpe(positions)
         else:
-            rope = rotary(self.config, T, idx.device, start)
+            rope = rotary(self.config, positions)
         x = self.drop(x)
-        opens = None if separator is None else idx == separator
+        docs = None if separator is None else self.documents(idx == separator)
         for block in self.blocks:
             if self.activation_checkpointing and self.training:
-                x = checkpoint(block, x, rope, idx, opens, use_reentrant=False)
+                x = checkpoint(block, x, rope, idx, docs, use_reentrant=False)
             else:
-                x = block(x, rope, idx, opens)
+                x = block(x, rope, idx, docs)
         logits = self.lm_head(self.ln_f(x))
         if self.config.logit_softcap:  # Gemma 2's soft cap: large logits can't run away
             # in fp32, as the speedruns cap: in bf16 its gradient is off by ~2e-3 relative

@@ -30,7 +30,7 @@ def test_rows_split_over_ranks_train_as_one_process(name, run_of):
     with open(os.path.join(run_dir, "stdout.txt")) as f:
         out = f.read()
     dp = 2 if name in ("cp2_dp2", "cp2_hybrid") else 1
-    assert f"context parallel 2 (each row over 2 ranks), gradient accumulation {24 // (2 * dp)}," in out
+    assert f"context parallel 2 (ulysses, each row over 2 ranks), gradient accumulation {24 // (2 * dp)}," in out
     assert_parity(logged(run_of("one")), logged(run_dir))
 
 
@@ -101,7 +101,7 @@ def test_a_llama_run_lengthens_its_context_on_resume_and_gpt2_is_told_why_not(ru
                          **llama | dict(block_size=64, rope_theta=50000.0, cp_size=2, micro_batch=1))
     assert ("note: the context changes on resume: block_size 32 -> 64, rope_theta 10000.0 -> 50000.0; the weights are "
             "the checkpoint's, the data continues after its step") in result.stdout
-    assert "context parallel 2 (each row over 2 ranks)" in result.stdout
+    assert "context parallel 2 (ulysses, each row over 2 ranks)" in result.stdout
     assert sorted(scalars(str(tmp_path / "long" / "tb"), "train/loss")) == [4, 5, 6]
 
     os.makedirs(tmp_path / "gpt2")

@@ -135,19 +135,17 @@ def test_grouped_query_attention_avoids_the_math_kernel(monkeypatch):
     assert model_module.sdpa_takes_gqa(q("cuda", torch.bfloat16))
     assert not model_module.sdpa_takes_gqa(q("cuda", torch.float32))
     assert not model_module.sdpa_takes_gqa(q("cuda", torch.bfloat16, head_dim=12))
-    assert not model_module.sdpa_takes_gqa(q("cuda", torch.bfloat16), masked=True)  # doc_mask: flash takes no mask
-    assert model_module.sdpa_takes_gqa(q("cpu", torch.float32), masked=True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))  # a V100
     assert not model_module.sdpa_takes_gqa(q("cuda", torch.float16))
     assert model_module.sdpa_takes_gqa(q("cpu", torch.float32))
     torch.manual_seed(0)
     attention = model_module.CausalSelfAttention(GPTConfig(arch="llama", n_head=4, n_kv_head=2, n_embd=32), layer=0)
-    x, rope = torch.randn(2, 16, 32), model_module.rotary(GPTConfig(arch="llama", n_head=4, n_embd=32), 16, "cpu")
+    x, rope = torch.randn(2, 16, 32), model_module.rotary(GPTConfig(arch="llama", n_head=4, n_embd=32), torch.arange(16))
     calls, sdpa = [], torch.nn.functional.scaled_dot_product_attention
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", lambda q, k, v, **kw: (
         calls.append((k.shape[1], kw["enable_gqa"])), sdpa(q, k, v, **kw))[1])
     grouped = attention(x, rope)
-    monkeypatch.setattr(model_module, "sdpa_takes_gqa", lambda q, masked: False)
+    monkeypatch.setattr(model_module, "sdpa_takes_gqa", lambda q: False)
     torch.testing.assert_close(attention(x, rope), grouped)
     assert calls == [(2, True), (4, False)]  # 2 key/value heads grouped natively, then repeated to 4
 
@@ -169,7 +167,7 @@ def test_mfu_peak_by_exact_gpu_name_and_compute_dtype(name, bf16, fp32, monkeypa
 def test_flight_recorder_sized_by_the_name_its_torch_reads(version, variable, monkeypatch):
     """torch 2.11 warned at every process group of the H200 run while the old name was set; 2.8
     knows only the old one. Exactly one of the two is set."""
-    monkeypatch.setattr(torch, "__version__", version)
+    monkeypatch.setattr(torch, "__version__", torch.torch_version.TorchVersion(version))
     settings = nccl_failure_settings("run")
     assert settings[variable] == "2000"
     assert {"TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_BUFFER_SIZE"} & set(settings) == {variable}

@@ -90,16 +90,19 @@ class BatchLoader:
     nor does the same token sequence split into other files (llm.c shards).
 
     sources: {name: (folder, its metadata)}; one (data_path) or several (data_mix, with a segment).
-    Context parallelism (cp_size ranks per row): rank cp_rank of a row's group reads only its slice of
-    each row, tokens `start` .. `start` + block_size/cp_size - 1 (and the next one, its last target).
+    Context parallelism (cp_size ranks per row): a rank reads only its pieces of each row, (start,
+    length) each (context_parallel.row_pieces: one slice, or two chunks for the ring), each with the
+    token after it (its last target); `positions` says where its columns sit in the row.
     """
 
     def __init__(self, sources: dict[str, tuple[str, dict]], block_size: int, train_batch: int, micro_batch: int,
                  dp_rank: int, dp_size: int, seed: int, device: torch.device, segment: Segment | None = None,
-                 align_rows: bool = False, cp_rank: int = 0, cp_size: int = 1):
+                 align_rows: bool = False, pieces: list[tuple[int, int]] | None = None):
         self.block_size, self.train_batch, self.micro_batch = block_size, train_batch, micro_batch
         self.dp_rank, self.dp_size, self.seed, self.device = dp_rank, dp_size, seed, device
-        self.cp_size, self.start = cp_size, cp_rank * (block_size // cp_size)
+        self.pieces = pieces or [(0, block_size)]
+        self.positions = torch.cat([torch.arange(start, start + length) for start, length in self.pieces]).to(device)
+        self.cp_size = block_size // len(self.positions)  # ranks that share each row
         self.separator = next(iter(sources.values()))[1].get("eot_token")  # between documents (None: not known)
         self.names = list(sources)
         self.splits = {split: [open_split(path, meta, split) for path, meta in sources.values()]
@@ -125,13 +128,16 @@ class BatchLoader:
         self._ahead = None  # ((step, micro_step), copy in flight)
 
     def _host_rows(self, split: str, chunk: tuple[np.ndarray, np.ndarray]) -> torch.Tensor:
-        streams, T = self.splits[split], self.block_size // self.cp_size
-        rows = [streams[int(k)].window(int(s) + self.start, T + 1) for k, s in zip(*chunk)]
-        return torch.from_numpy(np.stack(rows).astype(np.int64))
+        """(rows, 2, tokens): each row's inputs, then its targets (the next tokens), over this rank's pieces."""
+        streams = self.splits[split]
+        windows = [[streams[int(k)].window(int(s) + start, length + 1) for start, length in self.pieces]
+                   for k, s in zip(*chunk)]
+        return torch.from_numpy(np.stack([[np.concatenate([w[:-1] for w in row]), np.concatenate([w[1:] for w in row])]
+                                          for row in windows]).astype(np.int64))
 
     def _rows(self, split: str, chunk: tuple[np.ndarray, np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
         xy = self._finish_copy(self._start_copy(self._host_rows(split, chunk)))
-        return xy[:, :-1], xy[:, 1:]
+        return xy[:, 0], xy[:, 1]
 
     def _my_chunks(self, step: int) -> list[tuple[np.ndarray, np.ndarray]]:
         """This rank's share of step `step`'s rows, (sources, start offsets), cut into micro-batches."""
@@ -158,7 +164,7 @@ class BatchLoader:
             copy = self._ahead[1]
             self._ahead = (following, self._start_copy(self._host_rows("train", following_chunk)))
             xy = self._finish_copy(copy)
-            yield xy[:, :-1], xy[:, 1:]
+            yield xy[:, 0], xy[:, 1]
 
     def _start_copy(self, xy: torch.Tensor):
         """The host rows on their way to the device: on GPU through pinned memory, on a side stream."""

@@ -4,6 +4,7 @@ from fsdp_gpt.config import UserError
 from fsdp_gpt.data.loader import BatchLoader
 from fsdp_gpt.data.mixture import resumed_segment
 from fsdp_gpt.data.tokenizer import check_data_tokenizer, get_tokenizer, is_hf_tokenizer
+from fsdp_gpt.distributed.context_parallel import row_pieces
 from fsdp_gpt.distributed.launch import Topology, agree
 
 
@@ -56,7 +57,8 @@ def open_loader(cfg, sources: dict, topo: Topology, train_state: dict, step: int
         if note and topo.is_main:
             print(f"note: {note}", flush=True)
     loader = BatchLoader(sources, cfg.block_size, cfg.train_batch, cfg.micro_batch, topo.dp_rank, topo.dp_size,
-                         cfg.seed, topo.device, segment, cfg.align_rows, topo.cp_rank, topo.cp_size)
+                         cfg.seed, topo.device, segment, cfg.align_rows,
+                         row_pieces(cfg.cp_mode, topo.cp_rank, topo.cp_size, cfg.block_size))
     if topo.is_main and cfg.align_rows:
         cropped = ", ".join(f"{name} {share:.1%}" for name, share in loader.cropped().items())
         print(f"note: align_rows: rows start at documents; train tokens never read (cropped): {cropped}", flush=True)

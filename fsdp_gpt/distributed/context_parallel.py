@@ -1,14 +1,21 @@
-"""Context parallelism (Ulysses): each row's block_size tokens split over the cp_size ranks of a
-context-parallel group, attention still seeing the whole row.
+"""Context parallelism: each row's block_size tokens split over the cp_size ranks of a context-parallel
+group, attention still seeing the whole row. Two ways (cp_mode), swapped into the model from outside
+(model.py knows nothing of this):
 
-The ranks of a group hold consecutive slices of the same rows (rank c of the group: tokens
-c*T/cp .. (c+1)*T/cp - 1). Everything but attention works on a token alone, so it runs on the slice
-as it is. Attention's core is swapped from outside (model.py knows nothing of this): an all-to-all
-turns q, k and v from sequence-sharded (all heads, the slice's tokens) into head-sharded (heads/cp,
-the whole row's tokens), the ordinary causal attention runs on whole rows, and a second all-to-all
-turns the result back. Two all-to-alls of activations per layer and direction, no weights: the
+ulysses: rank c of the group holds the row's consecutive slice c (tokens c*T/cp .. (c+1)*T/cp - 1).
+An all-to-all turns q, k and v from sequence-sharded (all heads, the slice's tokens) into
+head-sharded (heads/cp, the whole row's tokens), the ordinary attention runs on whole rows, and a
+second all-to-all turns the result back. Heads and key/value heads must divide by cp_size.
+
+ring (ring_attention.py): each rank keeps its queries and the key/value blocks travel round the
+group. The row is cut into 2 x cp chunks and rank c holds chunks c and 2cp-1-c (zigzag): an early
+chunk, whose queries see little, with a late one, whose queries see much, so that every rank has the
+same causal work. No head-count limit.
+
+Everything but attention works on a token alone, so it runs on a rank's tokens as they are. The
 data-parallel ranks and the context ranks hold the same weights, and FSDP shards them over both.
-Heads and key/value heads must divide by cp_size.
+doc_mask: every rank learns where the whole rows' documents lie, once per forward (one all-gather of
+the tokens that open them), and every layer's attention reads it.
 """
 import contextlib
 
@@ -16,7 +23,24 @@ import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
-from fsdp_gpt.model import GPT, causal_attention
+from fsdp_gpt.distributed.ring_attention import RingAttention
+from fsdp_gpt.model import GPT, Documents, causal_attention
+
+
+def row_pieces(mode: str, cp_rank: int, cp_size: int, block_size: int) -> list[tuple[int, int]]:
+    """The (start, length) pieces of every row that rank cp_rank of a context group computes, in
+    row order."""
+    if mode == "ulysses":
+        length = block_size // cp_size
+        return [(cp_rank * length, length)]
+    chunk = block_size // (2 * cp_size)
+    return [(cp_rank * chunk, chunk), ((2 * cp_size - 1 - cp_rank) * chunk, chunk)]
+
+
+def row_positions(mode: str, cp_rank: int, cp_size: int, block_size: int) -> torch.Tensor:
+    """Where each of that rank's columns sits in the row (its pieces' positions, in order)."""
+    return torch.cat([torch.arange(start, start + length) for start, length in row_pieces(mode, cp_rank, cp_size,
+                                                                                          block_size)])
 
 
 def context_groups(world_size: int, cp_size: int):
@@ -47,31 +71,53 @@ class UlyssesAttention:
     def __init__(self, group, cp_size: int):
         self.group, self.cp = group, cp_size
 
-    def __call__(self, q, k, v, dropout_p: float, enable_gqa: bool, opens: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, q, k, v, dropout_p: float, enable_gqa: bool, docs: Documents | None = None) -> torch.Tensor:
         # (B, heads, T/cp, D) -> (B, heads/cp, T, D): my heads, every rank's tokens
         q, k, v = (_exchange(t, self.group, self.cp, split_dim=1, gather_dim=2) for t in (q, k, v))
-        if opens is not None:  # where documents open in the whole row: every rank's slice of it
-            pieces = [torch.empty_like(opens, dtype=torch.uint8) for _ in range(self.cp)]
-            dist.all_gather(pieces, opens.to(torch.uint8), group=self.group)
-            opens = torch.cat(pieces, dim=-1).bool()
-        y = causal_attention(q, k, v, dropout_p, enable_gqa, opens)
+        y = causal_attention(q, k, v, dropout_p, enable_gqa, docs)  # docs: the whole rows'
         return _exchange(y, self.group, self.cp, split_dim=2, gather_dim=1)  # back: all heads, my tokens
 
 
-def apply_context_parallel(gpt: GPT, group, cp_size: int) -> None:
+class RowDocuments:
+    """GPT.documents for a rank holding pieces of each row: the group's tokens that open a document,
+    gathered and put back in row order, give the whole rows' documents (one all-gather a forward)."""
+
+    def __init__(self, group, cp_size: int, mode: str, block_size: int, device: torch.device):
+        self.group, self.cp = group, cp_size
+        # the row position of each gathered column: rank 0's pieces, then rank 1's, ...
+        self.order = torch.cat([row_positions(mode, rank, cp_size, block_size) for rank in range(cp_size)]).to(device)
+
+    def __call__(self, opens: torch.Tensor) -> Documents:
+        pieces = [torch.empty_like(opens, dtype=torch.uint8) for _ in range(self.cp)]
+        dist.all_gather(pieces, opens.to(torch.uint8), group=self.group)
+        rows = torch.empty(opens.shape[0], len(self.order), dtype=torch.uint8, device=opens.device)
+        rows[:, self.order] = torch.cat(pieces, dim=-1)
+        return Documents.of_rows(rows.bool())
+
+
+def apply_context_parallel(gpt: GPT, mode: str, group, cp_size: int, cp_rank: int, block_size: int,
+                           device: torch.device) -> None:
+    """The attention cores (one object shared by every layer) and the documents' finder of a rank
+    of a context group. The ring runs at cp_size 1 too: one rank, no passes, its kernels alone."""
+    core = UlyssesAttention(group, cp_size) if mode == "ulysses" else RingAttention(
+        group, cp_rank, [row_positions(mode, rank, cp_size, block_size) for rank in range(cp_size)])
     for block in gpt.blocks:
-        block.attn.core = UlyssesAttention(group, cp_size)
+        block.attn.core = core
+    if cp_size > 1:
+        gpt.documents = RowDocuments(group, cp_size, mode, block_size, device)
 
 
 @contextlib.contextmanager
 def whole_rows(gpt: GPT):
     """Within: every rank computes whole sequences alone (multiple-choice items and text samples,
-    whose lengths vary): the plain attention core."""
-    cores = [block.attn.core for block in gpt.blocks]
+    whose lengths vary): the plain attention core and documents."""
+    cores, documents = [block.attn.core for block in gpt.blocks], gpt.documents
     for block in gpt.blocks:
         block.attn.core = causal_attention
+    gpt.documents = Documents.of_rows
     try:
         yield
     finally:
         for block, core in zip(gpt.blocks, cores):
             block.attn.core = core
+        gpt.documents = documents

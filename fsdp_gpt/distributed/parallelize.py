@@ -8,7 +8,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
+from fsdp_gpt.config import UserError
 from fsdp_gpt.distributed.context_parallel import apply_context_parallel
+from fsdp_gpt.distributed.ring_attention import ring_refusal
 from fsdp_gpt.distributed.expert_parallel import apply_expert_parallel, shard_experts
 from fsdp_gpt.distributed.launch import STRATEGY_TABLE, Topology, agree
 from fsdp_gpt.distributed.precision import DTYPES, autocast, compute_dtype
@@ -32,8 +34,11 @@ def build_model(cfg, gpt_cfg: GPTConfig, topo: Topology) -> torch.nn.Module:
         n_params, idle = model.num_params(), model.idle_expert_params()
         active = f", {n_params - idle:,} active per token ({(n_params - idle) / 1e6:.1f}M)" if idle else ""
         print(f"parameters: {n_params:,} ({n_params / 1e6:.1f}M){active}", flush=True)
-    if topo.cp_size > 1:
-        apply_context_parallel(model, topo.cp_group, topo.cp_size)
+    if cfg.cp_mode == "ring" and (refusal := ring_refusal(topo.device, compute_dtype(cfg.dtype, topo.device))):
+        raise UserError(refusal)
+    if topo.cp_size > 1 or cfg.cp_mode == "ring":
+        apply_context_parallel(model, cfg.cp_mode, topo.cp_group, topo.cp_size, topo.cp_rank, cfg.block_size,
+                               topo.device)
     if topo.ep_size > 1:
         apply_expert_parallel(model, topo.expert_mesh["ep"])
     model.activation_checkpointing = cfg.activation_checkpointing

@@ -1,0 +1,209 @@
+"""Ring attention (cp_mode: ring): each rank keeps its queries while the keys and values travel round
+the context group, one rank's block a step; each step's partial result is merged into the running
+one by the two log-sum-exps. At step s, rank r holds the block of rank (r - s) mod cp.
+
+The zigzag layout (context_parallel.row_pieces: rank r holds chunks r and 2cp-1-r of the row's 2cp)
+gives every rank the same causal work at every step:
+  step 0, its own block: its queries against its keys, causal (its two chunks are in row order);
+  a block of an earlier rank: all its queries against the block's first chunk, in full (the block's
+    second chunk lies after both of its own);
+  a block of a later rank: its second chunk's queries against the whole block, in full (its first
+    chunk lies before both of the block's).
+After step 0, each step is C x 2C query-key pairs on every rank (C: a chunk's tokens).
+doc_mask: each such rectangle is cut into one per document (a document's queries against the same
+document's keys), each computed alone; a query none of whose keys is in a step's block sits that step
+out. No mask is built.
+
+Backward is exact: the forward keeps the merged output and log-sum-exp, and each step's kernel
+backward runs with those (dS = P (dP - rowsum(dO O)), P from the final log-sum-exp), which gives each
+block's exact share of dq and its exact dk, dv; those travel with their block and reach its owner
+after cp passes. A recomputed forward (activation checkpointing) repeats the first bitwise: the same
+kernels on the same blocks in the same order.
+
+Kernels: the fused flash kernels' own forward, which returns the log-sum-exp, and backward, which
+takes it: the CPU's (fp32, bf16) and CUDA's flash (bf16, fp16; sm80 and later). Grouped-query
+attention: the ring carries key/value heads only, repeated for the kernel where they are used.
+"""
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from fsdp_gpt.model import Documents
+
+aten = torch.ops.aten
+
+
+def _cpu_forward(q, k, v, causal: bool):
+    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+    return out, lse, ()
+
+
+def _cpu_backward(dout, q, k, v, out, lse, aux, causal: bool):
+    return aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal)
+
+
+def _cuda_forward(q, k, v, causal: bool):
+    out, lse, *aux = aten._scaled_dot_product_flash_attention(q.contiguous(), k.contiguous(), v.contiguous(), 0.0,
+                                                              causal, False)
+    return out, lse, tuple(aux[:6])  # cum_seq_q, cum_seq_k, max_q, max_k, philox_seed, philox_offset: for backward
+
+
+def _cuda_backward(dout, q, k, v, out, lse, aux, causal: bool):
+    cum_q, cum_k, max_q, max_k, seed, offset = aux
+    return aten._scaled_dot_product_flash_attention_backward(
+        dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(), lse.contiguous(),
+        cum_q, cum_k, max_q, max_k, 0.0, causal, seed, offset)[:3]
+
+
+KERNELS = {"cpu": (_cpu_forward, _cpu_backward), "cuda": (_cuda_forward, _cuda_backward)}
+
+
+def ring_refusal(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why the ring's kernels can't run here, or None."""
+    if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
+        return None
+    if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and torch.cuda.get_device_capability(device) >= (8, 0):
+        return None
+    return (f"cp_mode: ring runs the flash kernel, which returns the log-sum-exp the ring merges: on CUDA in bf16 "
+            f"or fp16 from sm80 (A100) on, on CPU in fp32 or bf16; here {device.type} in {dtype} is not built "
+            f"(use cp_mode: ulysses)")
+
+
+def _steps(rank: int, cp: int, chunk: int) -> list[tuple[int, bool, tuple[int, int, int, int]]]:
+    """Per step: the block's owner, causal or not, and the (q0, q1, k0, k1) rectangle of local query
+    columns against the block's columns that the zigzag layout leaves to compute."""
+    steps = []
+    for step in range(cp):
+        source = (rank - step) % cp
+        if source == rank:
+            steps.append((source, True, (0, 2 * chunk, 0, 2 * chunk)))
+        elif source < rank:
+            steps.append((source, False, (0, 2 * chunk, 0, chunk)))
+        else:
+            steps.append((source, False, (chunk, 2 * chunk, 0, 2 * chunk)))
+    return steps
+
+
+def _by_document(ids_q: np.ndarray, ids_k: np.ndarray) -> list[tuple[int, int, int, int]]:
+    """(q0, q1, k0, k1) of each document that has queries in ids_q and keys in ids_k (both sorted)."""
+    common = np.intersect1d(ids_q, ids_k)
+    bounds = [np.searchsorted(ids, common, side) for ids in (ids_q, ids_k) for side in ("left", "right")]
+    return [tuple(map(int, rect)) for rect in zip(*bounds)]
+
+
+def _repeat(t: torch.Tensor, groups: int) -> torch.Tensor:
+    return t.repeat_interleave(groups, dim=1) if groups > 1 else t
+
+
+def _fold(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """A gradient with respect to repeated key/value heads, summed back onto each key/value head."""
+    return t.unflatten(1, (-1, groups)).sum(2) if groups > 1 else t
+
+
+def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
+    """out, lse (views of the running fp32 result, updated in place) merged with a block's, in the
+    sigmoid form: stable wherever the two log-sum-exps lie (no exp of a difference)."""
+    out.sub_(torch.sigmoid(block_lse - lse).unsqueeze(-1) * (out - block_out.float()))
+    lse.sub_(F.logsigmoid(lse - block_lse))
+
+
+class RingAttention:
+    """The attention core of a rank of a context group in ring mode (model.causal_attention's
+    signature), one object for every layer. positions: each rank's columns' positions in the row."""
+
+    def __init__(self, group, cp_rank: int, positions: list[torch.Tensor]):
+        self.group, self.rank, self.cp = group, cp_rank, len(positions)
+        self.positions = [p.numpy() for p in positions]
+        if self.cp > 1:
+            self.next, self.prev = (dist.get_global_rank(group, (cp_rank + shift) % self.cp) for shift in (1, -1))
+        self._plan = (None, None)  # (docs, plan) of the latest forward: every layer's
+
+    def plan(self, docs: Documents | None) -> list[tuple[bool, list[tuple]]]:
+        """Per step: causal or not, and the (rows, q0, q1, k0, k1) rectangles to compute; the same for
+        every layer of a forward (and its backward), so made once per Documents."""
+        if self._plan[0] is not docs or self._plan[1] is None:
+            chunk = len(self.positions[self.rank]) // 2
+            plan = []
+            for source, causal, (q0, q1, k0, k1) in _steps(self.rank, self.cp, chunk):
+                if docs is None:
+                    rects = [(slice(None), q0, q1, k0, k1)]
+                else:
+                    ids = docs.ids.numpy()
+                    mine, theirs = self.positions[self.rank][q0:q1], self.positions[source][k0:k1]
+                    rects = [(slice(row, row + 1), q0 + a, q0 + b, k0 + c, k0 + d) for row in range(len(ids))
+                             for a, b, c, d in _by_document(ids[row, mine], ids[row, theirs])]
+                plan.append((causal, rects))
+            self._plan = (docs, plan)
+        return self._plan[1]
+
+    def pass_on(self, t: torch.Tensor):
+        """Send t to the next rank of the ring and receive the previous rank's: a wait() that returns it."""
+        received = torch.empty_like(t)
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, t.contiguous(), self.next, self.group),
+                                        dist.P2POp(dist.irecv, received, self.prev, self.group)])
+
+        class Pending:
+            @staticmethod
+            def wait() -> torch.Tensor:
+                for work in works:
+                    work.wait()
+                return received
+        return Pending
+
+    @torch.compiler.disable  # host loops and point-to-point sends: eager inside a compiled block
+    def __call__(self, q, k, v, dropout_p: float, enable_gqa: bool, docs: Documents | None = None) -> torch.Tensor:
+        assert dropout_p == 0.0, "config.validate refuses dropout with cp_mode: ring"
+        return _Ring.apply(q, k, v, self, self.plan(docs))
+
+
+class _Ring(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, ring: RingAttention, plan: list):
+        run, _ = KERNELS[q.device.type]
+        groups = q.shape[1] // k.shape[1]
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # merged in fp32
+        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+        kv, auxes = torch.stack((k, v)), []
+        for step, (causal, rects) in enumerate(plan):
+            incoming = ring.pass_on(kv) if step < ring.cp - 1 else None  # the next block travels meanwhile
+            for rows, q0, q1, k0, k1 in rects:
+                block_out, block_lse, aux = run(q[rows, :, q0:q1], *(_repeat(t, groups) for t in kv[:, rows, :, k0:k1]),
+                                                causal)
+                auxes.append(aux)
+                if step == 0:  # every query attends to itself at step 0: the first result of each
+                    out[rows, :, q0:q1] = block_out
+                    lse[rows, :, q0:q1] = block_lse
+                else:
+                    _merge(out[rows, :, q0:q1], lse[rows, :, q0:q1], block_out, block_lse)
+            if incoming is not None:
+                kv = incoming.wait()
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring, ctx.plan, ctx.auxes = ring, plan, auxes
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        ring, groups = ctx.ring, q.shape[1] // k.shape[1]
+        _, run_backward = KERNELS[q.device.type]
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        kv = torch.stack((k, v))
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # the held block's, accumulated in fp32
+        auxes = iter(ctx.auxes)
+        for step, (causal, rects) in enumerate(ctx.plan):
+            incoming = ring.pass_on(kv) if step < ring.cp - 1 else None
+            for rows, q0, q1, k0, k1 in rects:
+                local = (rows, slice(None), slice(q0, q1))
+                dq_block, dk_block, dv_block = run_backward(
+                    dout[local], q[local], *(_repeat(t, groups) for t in kv[:, rows, :, k0:k1]), out[local], lse[local],
+                    next(auxes), causal)
+                dq[local] += dq_block
+                dkv[0, rows, :, k0:k1] += _fold(dk_block, groups)
+                dkv[1, rows, :, k0:k1] += _fold(dv_block, groups)
+            if ring.cp > 1:  # the block's gradient goes on with it; after cp passes it is home
+                dkv = ring.pass_on(dkv).wait()
+            if incoming is not None:
+                kv = incoming.wait()
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
