@@ -1,0 +1,85 @@
+"""doc_mask's cost: one process, one layer, long rows; peak memory and step time against no mask.
+
+    python bench/doc_mask.py [--lengths 8192 16384] [--steps 3]
+
+Each case runs in a process of its own (glibc returns large blocks on free: MALLOC_MMAP_THRESHOLD_),
+a GPT of one layer, 64 wide, 4 heads, byte tokens, fp32, one row a step, forward and backward. Peak:
+the process's peak RSS during the timed steps minus its RSS before them (the step's activations and
+gradients; the interpreter, torch and the weights are the same in every case). Step time: the median
+of --steps steps after one untimed. Cases: no mask; doc_mask with the row one document; doc_mask with
+documents of 2,048 and of 256 tokens (a separator every so many tokens).
+"""
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CASES = {"no mask": None, "doc_mask, one document a row": 0, "doc_mask, documents of 2,048": 2048,
+         "doc_mask, documents of 256": 256}
+
+
+def rss_mb(field: str) -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field)) / 1024
+
+
+def case(T: int, spacing: int | None, steps: int) -> None:
+    """In a fresh process: print 'peak_mb step_s' of one case."""
+    import torch
+    sys.path.insert(0, ROOT)
+    from fsdp_gpt.model import GPT, GPTConfig
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=256, block_size=T, n_layer=1, n_head=4, n_embd=64))
+    x = torch.randint(1, 256, (1, T))
+    if spacing:
+        x[:, ::spacing] = 0  # separators: a document opens every `spacing` tokens
+    separator = None if spacing is None else 0
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        model(x, x, separator=separator)[1].backward()
+    step()  # untimed: first-call costs
+    before = rss_mb("VmRSS:")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets the peak (VmHWM) to the current RSS
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    print(f"{rss_mb('VmHWM:') - before:.1f} {statistics.median(times):.3f}")
+
+
+def measure(T: int, spacing: int | None, steps: int) -> tuple[float, float]:
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", PYTHONPATH=ROOT)
+    out = subprocess.run([sys.executable, __file__, "--case", str(T), str(spacing), str(steps)], env=env,
+                         capture_output=True, text=True, check=True).stdout.split()
+    return float(out[0]), float(out[1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[8192, 16384])
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--case", nargs=3, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.case:
+        T, spacing, steps = args.case
+        return case(int(T), None if spacing == "None" else int(spacing), int(steps))
+    print(f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPU cores; one layer, 64 wide, 4 heads, one row a step, fp32")
+    print("| row tokens | case | peak MB above the step's start | of no mask's | step s | of no mask's |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for T in args.lengths:
+        base = None
+        for name, spacing in CASES.items():
+            peak, seconds = measure(T, spacing, args.steps)
+            base = base or (peak, seconds)
+            print(f"| {T:,} | {name} | {peak:.1f} | {peak / base[0]:.2f} | {seconds:.3f} | {seconds / base[1]:.2f} |",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""cp_mode: ring. The ring's attention against whole rows' on the same q, k, v (tests/ring_probe.py);
+the trainer with rows split over 2 and 4 ranks against one process, for both layouts, with and
+without doc_mask, under AdamW and Muon, with one key/value head (which Ulysses can't split); its
+checkpoints independent of cp_mode and cp_size; what it refuses."""
+import json
+import os
+import re
+
+import pytest
+import torch
+
+from conftest import DEMO, ROOT, RUN, checkpoint_of, launch, run_trainer, scalars
+from test_context_parallel import assert_parity, logged
+from test_doc_mask import short_corpus  # noqa: F401 - the fixture
+from fsdp_gpt.config import UserError
+from fsdp_gpt.config_parse import parse_args
+from fsdp_gpt.distributed.context_parallel import row_pieces
+from fsdp_gpt.distributed.ring_attention import ring_refusal
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [2, 3, 4])
+def test_ring_attention_is_whole_row_attention(nproc, tmp_path):
+    """Outputs and the gradients of q, k and v within float rounding of attention over whole rows,
+    with documents and with grouped and single key/value heads."""
+    result = launch([os.path.join(ROOT, "tests", "ring_probe.py")], str(tmp_path), nproc)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert len(report) == 6
+    for case, largest in report.items():
+        assert largest < 1e-5, (case, largest)
+
+
+def test_zigzag_pieces_cover_each_row_once_and_balance_the_causal_work():
+    """Rank c holds chunks c and 2cp-1-c: together every position once, and every rank's queries
+    see as many earlier keys (the causal work) as every other's."""
+    for cp in (1, 2, 3, 4):
+        T = 2 * cp * 8
+        positions = [[p for start, length in row_pieces("ring", rank, cp, T) for p in range(start, start + length)]
+                     for rank in range(cp)]
+        assert sorted(p for mine in positions for p in mine) == list(range(T))
+        assert len({sum(p + 1 for p in mine) for mine in positions}) == 1  # keys seen, summed over a rank's queries
+    assert row_pieces("ulysses", 1, 4, 64) == [(16, 16)]
+
+
+# one process against the ring at 2 and 4 ranks: 2 query heads over 1 key/value head (llama), 2 heads (gpt2)
+LAYOUTS = {"llama_docs_adamw": dict(arch="llama", n_head=2, n_kv_head=1, doc_mask=True),
+           "gpt2_muon": dict(optimizer="muon"),
+           "llama_docs_muon": dict(arch="llama", n_head=2, n_kv_head=1, doc_mask=True, optimizer="muon"),
+           "gpt2_docs_adamw": dict(doc_mask=True)}
+RING = dict(cp_mode="ring")
+
+
+@pytest.fixture(scope="module")
+def ring_runs(short_corpus, tmp_path_factory):  # noqa: F811 - the fixture imported above
+    """ring_runs(layout, name) -> the folder of that run, launched once: "one" (one process), "cp2"
+    and "cp4" (the ring over 2 and 4 ranks; cp4 with activation checkpointing, cp2 of gpt2_muon compiled)."""
+    made = {}
+
+    def run(layout: str, name: str) -> str:
+        if (layout, name) not in made:
+            folder = tmp_path_factory.mktemp(f"{layout}_{name}")
+            extra = {"one": (1, {}), "cp2": (2, dict(RING, cp_size=2, compile=layout == "gpt2_muon")),
+                     "cp4": (4, dict(RING, cp_size=4, activation_checkpointing=True))}[name]
+            result = run_trainer(str(folder), nproc=extra[0], **RUN | dict(block_size=64, micro_batch=2, checkpoint_type="sharded")
+                                 | LAYOUTS[layout] | short_corpus | extra[1])
+            (folder / "stdout.txt").write_text(result.stdout)
+            made[layout, name] = str(folder)
+        return made[layout, name]
+    return run
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout, name", [("llama_docs_adamw", "cp2"), ("llama_docs_adamw", "cp4"), ("gpt2_muon", "cp2"),
+                                          ("gpt2_muon", "cp4"), ("llama_docs_muon", "cp4"), ("gpt2_docs_adamw", "cp2")])
+def test_ring_trains_the_run_of_one_process(layout, name, ring_runs):
+    with open(os.path.join(ring_runs(layout, name), "stdout.txt")) as f:
+        assert f"context parallel {name[2:]} (ring, each row over {name[2:]} ranks)" in f.read()
+    assert_parity(logged(ring_runs(layout, "one")), logged(ring_runs(layout, name)))
+
+
+@pytest.mark.slow
+def test_checkpoints_do_not_depend_on_cp_mode(ring_runs, short_corpus, tmp_path):  # noqa: F811
+    """The ring's checkpoint of step 3 resumed by one process, and one process's by the ring at 4
+    ranks: the rest of the run as uninterrupted (within 1e-4); the ring's by the ring, bitwise."""
+    settings = RUN | dict(block_size=64, micro_batch=2, checkpoint_type="sharded") | LAYOUTS["llama_docs_adamw"] | short_corpus
+    whole = scalars(os.path.join(ring_runs("llama_docs_adamw", "one"), "tb"), "train/loss")
+    ring = scalars(os.path.join(ring_runs("llama_docs_adamw", "cp2"), "tb"), "train/loss")
+    for name, source, nproc, extra, expected in (
+            ("ring_to_one", "cp2", 1, {}, whole),
+            ("one_to_ring", "one", 4, dict(RING, cp_size=4), whole),
+            ("ring_to_ring", "cp2", 2, dict(RING, cp_size=2), ring)):
+        os.makedirs(tmp_path / name)
+        checkpoint = checkpoint_of(ring_runs("llama_docs_adamw", source), "sharded", 3)
+        result = run_trainer(str(tmp_path / name), nproc=nproc, resume_from=checkpoint, **settings | extra)
+        assert f"resumed from {checkpoint} at step 3" in result.stdout
+        got = scalars(str(tmp_path / name / "tb"), "train/loss")
+        assert sorted(got) == [4, 5, 6]
+        for step in got:
+            assert got[step] == expected[step] if name == "ring_to_ring" else got[step] == pytest.approx(
+                expected[step], rel=1e-4), (name, step)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["--cp_mode=zigzag"], "cp_mode 'zigzag' is not one of ulysses, ring"),
+    (["--cp_mode=ring", "--cp_size=3"], "cp_mode: ring needs 2 x cp_size = 6 to divide block_size=128"),
+    (["--cp_mode=ring", "--cp_size=2", "--dropout=0.1"], "dropout=0.1 with cp_mode: ring is not built"),
+    (["--cp_size=4", "--arch=llama", "--n_kv_head=2"], "(cp_mode: ring has no head-count limit)"),
+])
+def test_bad_context_parallel_settings_are_refused(overrides, message):
+    with pytest.raises(UserError, match=re.escape(message)):
+        parse_args([DEMO] + overrides)  # the demo: 4 heads, block_size 128
+
+
+def test_ring_refuses_where_its_kernels_cannot_run(monkeypatch):
+    """The flash kernels' log-sum-exp: CPU in fp32 and bf16, CUDA in bf16 and fp16 from sm80."""
+    assert ring_refusal(torch.device("cpu"), torch.float32) is None
+    assert ring_refusal(torch.device("cpu"), torch.bfloat16) is None
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert ring_refusal(torch.device("cuda", 0), torch.bfloat16) is None
+    assert "on CUDA in bf16 or fp16" in ring_refusal(torch.device("cuda", 0), torch.float32)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))  # a V100
+    assert "here cuda in torch.float16 is not built" in ring_refusal(torch.device("cuda", 0), torch.float16)
