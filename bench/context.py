@@ -1,29 +1,30 @@
-"""Context parallelism: the memory per rank of one long row split over cp_size ranks, and its speed.
+"""Context parallelism, both modes: the memory per rank of one long row split over cp_size ranks, its
+speed, and how evenly the ranks work.
 
     python bench/context.py [--block_size 4096] [--steps 6]
 
-memory: one row of block_size tokens a step on cp_size = 1, 2 and 4 ranks (the world is the
-context group: no data parallelism), a small GPT (4 layers, 128 wide, byte tokens, fp32). Each
-rank's peak RSS minus that of the same launch at block_size 64: what the row's activations cost a
-rank (the weights and optimizer state are the same in both). Goal: about 1/cp_size of cp_size 1's.
-
-speed: tokens/s per rank with 2 ranks at equal tokens per rank, block_size tokens each: cp_size 1
-(2 rows, one per rank) against cp_size 2 (one row of twice the length, half on each rank). The
-second also pays for attention over a row twice as long (its quadratic part) and the all-to-alls.
+One row of block_size tokens a step on cp_size = 1, 2 and 4 ranks in each cp_mode (the world is the
+context group: no data parallelism), a small GPT (4 layers, 128 wide, 4 heads, byte tokens, fp32).
+Activations: each rank's peak RSS minus that of the same launch at block_size 64 (the weights and
+optimizer state are the same in both); goal about 1/cp_size of cp_size 1's. Speed: tokens/s per
+rank, the median of the log lines after the first two (on a 2-core machine, 4 ranks share 2 cores:
+per-rank speed falls with cp_size for want of cores, not of work). Balance: the busiest rank's own
+compute time per step over the idlest's (StepTimes: the main thread's CPU time, not its waits), the
+median over the logged steps; under a ring with contiguous slices instead of zigzag chunks the rank
+holding the row's end would do 2 x cp_size - 1 times the attention of the first.
 """
 import argparse
 import os
 import re
 import statistics
+import shutil
 import subprocess
 import sys
 import time
 
-import torch
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from fsdp_gpt.model import GPT, GPTConfig  # noqa: E402
+from fsdp_gpt.observe.metrics import read_scalars  # noqa: E402
 
 DEMO = os.path.join(ROOT, "config", "demo_cpu.yaml")
 MODEL = ["--n_layer=4", "--n_head=4", "--n_embd=128", "--dtype=fp32", "--sample_tokens=0", "--eval_iters=1",
@@ -31,6 +32,8 @@ MODEL = ["--n_layer=4", "--n_head=4", "--n_embd=128", "--dtype=fp32", "--sample_
 
 
 def launch(nproc: int, args: list[str], workdir: str) -> str:
+    for folder in ("ckpt_ctx", "tb_ctx"):  # each launch's own checkpoints and TensorBoard events
+        shutil.rmtree(os.path.join(workdir, folder), ignore_errors=True)
     cmd = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                f"--nproc_per_node={nproc}"]
     # glibc hands freed blocks back to the OS only above this size: else peak RSS counts memory given back
@@ -48,37 +51,29 @@ def peak_per_rank(out: str) -> float:
     return max(map(float, re.search(r"memory per rank, GB: peak ([\d. ]+) \|", out).group(1).split()))
 
 
-def memory(block_size: int, workdir: str) -> None:
-    print(f"one row of {block_size} tokens a step; a rank's peak RSS above the same launch at block_size 64, GB")
-    print("| cp_size | ranks | tokens per rank | activations per rank, GB | of cp_size 1's |\n| --- | --- | --- | --- | --- |")
-    first = None
-    for cp in (1, 2, 4):
-        runs = {T: peak_per_rank(launch(cp, [f"--block_size={T}", "--train_batch=1", "--micro_batch=1",
-                                             "--max_iters=2", f"--cp_size={cp}"], workdir)) for T in (64, block_size)}
-        rows = runs[block_size] - runs[64]
-        first = first or rows
-        print(f"| {cp} | {cp} | {block_size // cp} | {rows:.3f} | {rows / first:.2f} |", flush=True)
+def busiest_over_idlest(tb: str) -> float:
+    """The ranks' compute time per step, busiest over idlest: the median over the logged steps."""
+    busiest, idlest = (read_scalars(tb, f"time/compute_ms/{end}") for end in ("max", "min"))
+    return statistics.median(busiest[s] / idlest[s] for s in busiest)
 
 
-def rate(args: list[str], steps: int, workdir: str) -> float:
-    out = launch(2, args + [f"--max_iters={steps}", "--log_interval=1"], workdir)
-    rates = [float(r.replace(",", "")) for r in re.findall(r"\| ([\d,]+) tok/s", out)][2:]  # after warm-up
-    return statistics.median(rates) / 2  # per rank
-
-
-def flops_per_token(block_size: int) -> int:
-    """The trainer's count (model.GPT.flops_per_token) for MODEL at this row length."""
-    with torch.device("meta"):
-        return GPT(GPTConfig(vocab_size=256, n_layer=4, n_head=4, n_embd=128, block_size=block_size)).flops_per_token()
-
-
-def speed(block_size: int, steps: int, workdir: str) -> None:
-    cp1 = rate([f"--block_size={block_size}", "--train_batch=2", "--micro_batch=1"], steps, workdir)
-    cp2 = rate([f"--block_size={2 * block_size}", "--train_batch=1", "--micro_batch=1", "--cp_size=2"], steps, workdir)
-    work = flops_per_token(2 * block_size) / flops_per_token(block_size)
-    print(f"2 ranks, {block_size} tokens per rank a step: cp_size 1 (rows of {block_size}) {cp1:,.0f} tok/s per rank, "
-          f"cp_size 2 (rows of {2 * block_size}) {cp2:,.0f} tok/s per rank: {cp2 / cp1:.2f}x; a token of the longer "
-          f"row costs {work:.2f}x the FLOPs (attention), so FLOP/s per rank: {cp2 * work / cp1:.2f}x")
+def table(block_size: int, steps: int, workdir: str) -> None:
+    print(f"one row of {block_size} tokens a step; activations: a rank's peak RSS above the same launch at "
+          f"block_size 64, GB")
+    print("| cp_mode | cp_size | tokens per rank | activations per rank, GB | of cp_size 1's | tok/s per rank | "
+          "compute, busiest rank over idlest |\n| --- | --- | --- | --- | --- | --- | --- |")
+    for mode in ("ulysses", "ring"):
+        first = None
+        for cp in (1, 2, 4):
+            args = ["--train_batch=1", "--micro_batch=1", f"--cp_size={cp}", f"--cp_mode={mode}"]
+            small = peak_per_rank(launch(cp, args + ["--block_size=64", "--max_iters=2"], workdir))
+            out = launch(cp, args + [f"--block_size={block_size}", f"--max_iters={steps}", "--log_interval=1"], workdir)
+            rows = peak_per_rank(out) - small
+            first = first or rows
+            rates = [float(r.replace(",", "")) for r in re.findall(r"\| ([\d,]+) tok/s", out)][2:]  # after warm-up
+            balance = busiest_over_idlest(os.path.join(workdir, "tb_ctx"))
+            print(f"| {mode} | {cp} | {block_size // cp} | {rows:.3f} | {rows / first:.2f} | "
+                  f"{statistics.median(rates) / cp:,.0f} | {balance:.2f} |", flush=True)
 
 
 def main() -> None:
@@ -89,8 +84,7 @@ def main() -> None:
     workdir = os.path.join(ROOT, "bench", "runs")
     os.makedirs(workdir, exist_ok=True)
     print(f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPU cores")
-    memory(args.block_size, workdir)
-    speed(args.block_size, args.steps, workdir)
+    table(args.block_size, args.steps, workdir)
 
 
 if __name__ == "__main__":

@@ -138,18 +138,18 @@ class RingAttention:
         return self._plan[1]
 
     def pass_on(self, t: torch.Tensor):
-        """Send t to the next rank of the ring and receive the previous rank's: a wait() that returns it."""
+        """Send t to the next rank of the ring and receive the previous rank's: returns a function that
+        waits for both and returns what came (a plain closure, freed when dropped: a class made here
+        would sit in a reference cycle, holding both blocks until the garbage collector ran)."""
         received = torch.empty_like(t)
         works = dist.batch_isend_irecv([dist.P2POp(dist.isend, t.contiguous(), self.next, self.group),
                                         dist.P2POp(dist.irecv, received, self.prev, self.group)])
 
-        class Pending:
-            @staticmethod
-            def wait() -> torch.Tensor:
-                for work in works:
-                    work.wait()
-                return received
-        return Pending
+        def wait() -> torch.Tensor:
+            for work in works:
+                work.wait()
+            return received
+        return wait
 
     @torch.compiler.disable  # host loops and point-to-point sends: eager inside a compiled block
     def __call__(self, q, k, v, dropout_p: float, enable_gqa: bool, docs: Documents | None = None) -> torch.Tensor:
@@ -177,7 +177,7 @@ class _Ring(torch.autograd.Function):
                 else:
                     _merge(out[rows, :, q0:q1], lse[rows, :, q0:q1], block_out, block_lse)
             if incoming is not None:
-                kv = incoming.wait()
+                kv = incoming()
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring, ctx.plan, ctx.auxes = ring, plan, auxes
@@ -203,7 +203,7 @@ class _Ring(torch.autograd.Function):
                 dkv[0, rows, :, k0:k1] += _fold(dk_block, groups)
                 dkv[1, rows, :, k0:k1] += _fold(dv_block, groups)
             if ring.cp > 1:  # the block's gradient goes on with it; after cp passes it is home
-                dkv = ring.pass_on(dkv).wait()
+                dkv = ring.pass_on(dkv)()
             if incoming is not None:
-                kv = incoming.wait()
+                kv = incoming()
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
