@@ -10,8 +10,10 @@ rank sends per optimizer step (all-gathers, reduce-scatters, HYBRID's all-reduce
 replicas, Muon's exchanges of the matrices); the sharded checkpoint's size, the time to write and to read it at
 the filesystem's aggregate bandwidth (replica groups past the first receive their slices over
 the network instead), the rank files each rank opens on resume and the index's size; with
-cp_size, the tokens of a row each rank computes and Ulysses' all-to-alls of q, k, v and the
-attention's output (forward and backward, and the forward again under activation checkpointing); with
+cp_size, the tokens of a row each rank computes and both cp_modes' traffic, whichever the config runs:
+Ulysses' all-to-alls of q, k, v and the attention's output, the ring's passes of each rank's key/value
+block and (backward) of its gradient, in fp32 (forward and backward, and the forward again under
+activation checkpointing), per layer and per step; with
 ep_size, the experts' gathers and reductions inside their FSDP group (the ranks holding the same
 experts) and the all-to-alls that carry each token's top-k copies to its experts and back (routing
 taken as balanced: (ep-1)/ep of the copies leave the rank). Ring collectives: a rank sends (n-1)/n of the gathered or reduced bytes, an all-reduce twice that. The rank with the most rows is shown (rank 0: FSDP2 splits dim 0 like torch.chunk).
@@ -142,11 +144,30 @@ class Plan:
     def ulysses_bytes(self) -> float:
         """Per step: each layer's four all-to-alls (q, k, v in; the output back) of this rank's
         slice, each sending (cp-1)/cp of it; as many again in backward, and in a recomputed forward."""
+        return self.ulysses_layer_bytes() * self.model.config.n_layer * self.micro_steps
+
+    def ulysses_layer_bytes(self) -> float:
+        """One layer's, one micro-step: see ulysses_bytes."""
         cfg, model_cfg, cp = self.cfg, self.model.config, self.cfg.cp_size
         heads = 2 * model_cfg.n_head + 2 * model_cfg.n_kv_head  # q and the output; k and v
-        per_forward = model_cfg.n_layer * heads * cfg.micro_batch * cfg.block_size // cp * model_cfg.head_dim
+        per_forward = heads * cfg.micro_batch * cfg.block_size // cp * model_cfg.head_dim
         passes = 3 if cfg.activation_checkpointing else 2
-        return self.micro_steps * passes * per_forward * BYTES[cfg.dtype] * (cp - 1) / cp
+        return passes * per_forward * BYTES[cfg.dtype] * (cp - 1) / cp
+
+    def ring_layer_bytes(self) -> float:
+        """One layer's, one micro-step, under cp_mode ring: a rank's key/value block (its tokens' k and
+        v, key/value heads only, in the compute dtype) passed on cp-1 times in forward, as many in
+        backward with the block's gradient (fp32) passed on cp times, and cp-1 more in a recomputed forward."""
+        cfg, model_cfg, cp = self.cfg, self.model.config, self.cfg.cp_size
+        block = 2 * cfg.micro_batch * cfg.block_size // cp * model_cfg.n_kv_head * model_cfg.head_dim
+        forwards = 2 if cfg.activation_checkpointing else 1
+        return block * ((forwards + 1) * (cp - 1) * BYTES[cfg.dtype] + cp * 4)
+
+    def ulysses_refusal(self) -> str | None:
+        """Why Ulysses can't split this model's heads over cp_size, or None."""
+        cp, model_cfg = self.cfg.cp_size, self.model.config
+        short = [f"{name} {n}" for name, n in (("n_head", model_cfg.n_head), ("n_kv_head", model_cfg.n_kv_head)) if n % cp]
+        return f"not possible: cp_size {cp} must divide {short[0]}" if short else None
 
     def index(self) -> dict:
         """The sharded checkpoint's index as ckpt_index builds it: replica group 0 writes the rows."""
@@ -185,7 +206,7 @@ def column(plan: Plan, bandwidth: float) -> dict:
         "all-reduce GB sent per rank per step": f"{sent['all-reduce'] / GB:.3f}",
         **({"tokens of a row a rank computes (cp_size ranks a row)": f"{plan.cfg.block_size // plan.cfg.cp_size:,} "
             f"of {plan.cfg.block_size:,} ({plan.cfg.cp_size})",
-            "Ulysses all-to-all GB sent per rank per step": f"{sent['ulysses'] / GB:.3f}"} if plan.cfg.cp_size > 1 else {}),
+            **context_rows(plan, sent)} if plan.cfg.cp_size > 1 else {}),
         **({"experts of each MoE layer a rank computes (ep_size)": f"{plan.model.config.moe_experts // plan.ep} "
             f"of {plan.model.config.moe_experts} ({plan.ep})",
             "expert all-to-all GB sent per rank per step": f"{sent['expert all-to-all'] / GB:.3f}"} if plan.ep > 1 else {}),
@@ -199,6 +220,17 @@ def column(plan: Plan, bandwidth: float) -> dict:
         "rank files a rank opens on resume": str(max(plan.files_opened(index, r) for r in readers)),
         "index in the .complete marker, MB": f"{marker_bytes(index) / 1e6:.2f}",
     }
+
+
+def context_rows(plan: Plan, sent: dict) -> dict:
+    """Both cp_modes' bytes, whichever the config runs: per layer (one micro-step) and per step."""
+    ulysses_refusal = plan.ulysses_refusal()
+    return {"Ulysses all-to-all MB sent per rank per layer (a micro-step)":
+            ulysses_refusal or f"{plan.ulysses_layer_bytes() / 1e6:.2f}",
+            "Ulysses all-to-all GB sent per rank per step": ulysses_refusal or f"{sent['ulysses'] / GB:.3f}",
+            "ring MB sent per rank per layer (a micro-step)": f"{plan.ring_layer_bytes() / 1e6:.2f}",
+            "ring GB sent per rank per step":
+            f"{plan.ring_layer_bytes() * plan.model.config.n_layer * plan.micro_steps / GB:.3f}"}
 
 
 def report(plans: dict, bandwidth: float) -> list[tuple[str, ...]]:

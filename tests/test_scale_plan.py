@@ -50,23 +50,41 @@ def test_plan_prints_a_table_and_refuses_a_batch_that_does_not_split(capsys):
     assert "error: train_batch=512 must be a multiple of micro_batch=8 x 128 GPUs" in capsys.readouterr().err
 
 
-def test_plan_counts_the_context_groups_all_to_alls(capsys):
-    """Ulysses sends each layer's q, k, v and output slices, (cp-1)/cp of each, in forward and
-    backward (and a recomputed forward): 8B Llama at 32k, each row over 8 of 64 GPUs."""
-    llama_8b = [os.path.join(ROOT, "config", "llama_124M.yaml"), "--gpus", "64", "--arch=llama", "--n_layer=32",
-                "--n_embd=4096", "--n_head=32", "--n_kv_head=8", "--ffn_hidden=14336", "--vocab_size=128256",
-                "--block_size=32768", "--cp_size=8", "--micro_batch=1", "--train_batch=64", "--dtype=bf16"]
-    sent = {}
-    for recompute in ("false", "true"):
-        assert main(llama_8b + [f"--activation_checkpointing={recompute}"]) == 0
+LLAMA_8B = [os.path.join(ROOT, "config", "llama_124M.yaml"), "--gpus", "64", "--arch=llama", "--n_layer=32",
+            "--n_embd=4096", "--n_head=32", "--n_kv_head=8", "--ffn_hidden=14336", "--vocab_size=128256",
+            "--micro_batch=1", "--train_batch=64", "--dtype=bf16"]
+
+
+def sent(out: str, label: str) -> str:
+    return out.split(f"| {label} | ")[1].split(" |")[0]
+
+
+def test_plan_counts_both_context_modes_traffic(capsys):
+    """8B Llama on 64 GPUs. At 32k, each row over 8 ranks: Ulysses sends each layer's q, k, v and
+    output slices, (cp-1)/cp of each, in forward and backward (and a recomputed forward); the ring
+    passes each layer's key/value block on cp-1 times a forward, cp-1 times in backward beside its
+    fp32 gradient cp times. At 128k over 32 ranks Ulysses can't split 8 key/value heads; the ring can."""
+    for recompute, forwards in (("false", 1), ("true", 2)):
+        assert main(LLAMA_8B + ["--block_size=32768", "--cp_size=8", f"--activation_checkpointing={recompute}"]) == 0
         out = capsys.readouterr().out
         assert "8 micro-steps of 1 x 4096 tokens per rank per step" in out
         assert "| tokens of a row a rank computes (cp_size ranks a row) | 4,096 of 32,768 (8) |" in out
-        sent[recompute] = float(out.split("| Ulysses all-to-all GB sent per rank per step | ")[1].split(" |")[0])
-    # 8 micro-steps x 32 layers x (2 x 32 + 2 x 8 heads) x 4096 tokens x 128 x 2 bytes x 7/8, twice
-    assert sent["false"] == pytest.approx(8 * 32 * 80 * 4096 * 128 * 2 * 7 / 8 * 2 / 1e9, abs=1e-3)
-    assert sent["true"] == pytest.approx(sent["false"] * 3 / 2, abs=1e-3)
-
+        # (2 x 32 + 2 x 8 heads) x 4096 tokens x 128 x 2 bytes x 7/8, per pass
+        ulysses = (forwards + 1) * 80 * 4096 * 128 * 2 * 7 / 8
+        assert float(sent(out, "Ulysses all-to-all MB sent per rank per layer (a micro-step)")) == pytest.approx(
+            ulysses / 1e6, abs=0.01)
+        assert float(sent(out, "Ulysses all-to-all GB sent per rank per step")) == pytest.approx(
+            8 * 32 * ulysses / 1e9, abs=1e-3)
+        block = 2 * 4096 * 8 * 128  # k and v: 4096 tokens x 8 key/value heads x 128
+        ring = block * ((forwards + 1) * 7 * 2 + 8 * 4)
+        assert float(sent(out, "ring MB sent per rank per layer (a micro-step)")) == pytest.approx(ring / 1e6, abs=0.01)
+        assert float(sent(out, "ring GB sent per rank per step")) == pytest.approx(8 * 32 * ring / 1e9, abs=1e-3)
+    assert main(LLAMA_8B + ["--block_size=131072", "--cp_size=32", "--cp_mode=ring", "--activation_checkpointing=true"]) == 0
+    out = capsys.readouterr().out
+    assert "32 micro-steps of 1 x 4096 tokens per rank per step" in out
+    assert sent(out, "Ulysses all-to-all GB sent per rank per step") == "not possible: cp_size 32 must divide n_kv_head 8"
+    ring = 2 * 4096 * 8 * 128 * (3 * 31 * 2 + 32 * 4)
+    assert float(sent(out, "ring GB sent per rank per step")) == pytest.approx(32 * 32 * ring / 1e9, abs=1e-3)
 
 
 QWEN3_30B_A3B = ["--arch=llama", "--n_layer=48", "--n_embd=2048", "--n_head=32", "--n_kv_head=4", "--head_dim=128",
