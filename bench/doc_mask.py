@@ -1,12 +1,14 @@
 """doc_mask's cost: one process, one layer, long rows; peak memory and step time against no mask.
 
     python bench/doc_mask.py [--lengths 8192 16384] [--steps 3]
+    python bench/doc_mask.py --device cuda --n_embd 1024 --n_head 16 --lengths 16384 32768   # a GPU, bf16
 
 Each case runs in a process of its own (glibc returns large blocks on free: MALLOC_MMAP_THRESHOLD_),
-a GPT of one layer, 64 wide, 4 heads, byte tokens, fp32, one row a step, forward and backward. Peak:
-the process's peak RSS during the timed steps minus its RSS before them (the step's activations and
-gradients; the interpreter, torch and the weights are the same in every case). Step time: the median
-of --steps steps after one untimed. Cases: no mask; doc_mask with the row one document; doc_mask with
+a GPT of one layer, byte tokens, one row a step, forward and backward (on CPU in fp32, on CUDA under
+bf16 autocast). Peak: on CPU the process's peak RSS during the timed steps minus its RSS before them,
+on CUDA the peak allocated minus the allocated before (the step's activations and gradients; the
+interpreter, torch and the weights are the same in every case). Step time: the median of --steps
+steps after one untimed. Cases: no mask; doc_mask with the row one document; doc_mask with
 documents of 2,048 and of 256 tokens (a separator every so many tokens).
 """
 import argparse
@@ -26,36 +28,46 @@ def rss_mb(field: str) -> float:
         return next(int(line.split()[1]) for line in f if line.startswith(field)) / 1024
 
 
-def case(T: int, spacing: int | None, steps: int) -> None:
+def case(args, T: int, spacing: int | None) -> None:
     """In a fresh process: print 'peak_mb step_s' of one case."""
     import torch
     sys.path.insert(0, ROOT)
     from fsdp_gpt.model import GPT, GPTConfig
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=256, block_size=T, n_layer=1, n_head=4, n_embd=64))
+    device, cuda = torch.device(args.device), args.device == "cuda"
+    model = GPT(GPTConfig(vocab_size=256, block_size=T, n_layer=1, n_head=args.n_head, n_embd=args.n_embd)).to(device)
     x = torch.randint(1, 256, (1, T))
     if spacing:
         x[:, ::spacing] = 0  # separators: a document opens every `spacing` tokens
-    separator = None if spacing is None else 0
+    x, separator = x.to(device), None if spacing is None else 0
 
     def step():
         model.zero_grad(set_to_none=True)
-        model(x, x, separator=separator)[1].backward()
+        with torch.autocast(device.type, torch.bfloat16, enabled=cuda):
+            loss = model(x, x, separator=separator)[1]
+        loss.backward()
+        if cuda:
+            torch.cuda.synchronize()
     step()  # untimed: first-call costs
-    before = rss_mb("VmRSS:")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets the peak (VmHWM) to the current RSS
+    if cuda:
+        before = torch.cuda.memory_allocated() / 2**20
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        before = rss_mb("VmRSS:")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets the peak (VmHWM) to the current RSS
     times = []
-    for _ in range(steps):
+    for _ in range(args.steps):
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
-    print(f"{rss_mb('VmHWM:') - before:.1f} {statistics.median(times):.3f}")
+    peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else rss_mb("VmHWM:")
+    print(f"{peak - before:.1f} {statistics.median(times):.4f}")
 
 
-def measure(T: int, spacing: int | None, steps: int) -> tuple[float, float]:
+def measure(args, T: int, spacing: int | None) -> tuple[float, float]:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", PYTHONPATH=ROOT)
-    out = subprocess.run([sys.executable, __file__, "--case", str(T), str(spacing), str(steps)], env=env,
+    out = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--case", str(T), str(spacing)], env=env,
                          capture_output=True, text=True, check=True).stdout.split()
     return float(out[0]), float(out[1])
 
@@ -64,20 +76,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[8192, 16384])
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--case", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--n_embd", type=int, default=64)
+    parser.add_argument("--n_head", type=int, default=4)
+    parser.add_argument("--case", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.case:
-        T, spacing, steps = args.case
-        return case(int(T), None if spacing == "None" else int(spacing), int(steps))
-    print(f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPU cores; one layer, 64 wide, 4 heads, one row a step, fp32")
+        T, spacing = args.case
+        return case(args, int(T), None if spacing == "None" else int(spacing))
+    where = f"{os.cpu_count()} CPU cores, fp32" if args.device == "cpu" else "CUDA, bf16 autocast"
+    print(f"{time.strftime('%Y-%m-%d')}, {where}; one layer, {args.n_embd} wide, {args.n_head} heads, one row a step")
     print("| row tokens | case | peak MB above the step's start | of no mask's | step s | of no mask's |")
     print("| --- | --- | --- | --- | --- | --- |")
     for T in args.lengths:
         base = None
         for name, spacing in CASES.items():
-            peak, seconds = measure(T, spacing, args.steps)
+            peak, seconds = measure(args, T, spacing)
             base = base or (peak, seconds)
-            print(f"| {T:,} | {name} | {peak:.1f} | {peak / base[0]:.2f} | {seconds:.3f} | {seconds / base[1]:.2f} |",
+            print(f"| {T:,} | {name} | {peak:.1f} | {peak / base[0]:.2f} | {seconds:.4f} | {seconds / base[1]:.2f} |",
                   flush=True)
 
 

@@ -11,7 +11,7 @@ with the vocabulary kept at 50,304 (the configs' shapes and FLOPs, no tokenizer 
 
 Time: a lent machine allows 10 minutes a command. The rows share GPU_CHECK_BUDGET seconds (default
 510): each gets what is left, in the order below, and a row that no longer fits is shown as not
-run. One markdown table, printed and written to $GPU_CHECK_DIR/table.md: per row what ran, tok/s,
+run. GPU_CHECK_ROWS=name,name runs those rows alone. One markdown table, printed and written to $GPU_CHECK_DIR/table.md: per row what ran, tok/s,
 MFU (medians of the log lines after the first, which holds start-up and compilation), the largest
 rank's peak memory, and pass or fail with the reason. Extra --key=value arguments go to every
 trainer run, last (tests/test_gpu_paths.py runs this at tiny size on CPU that way).
@@ -148,6 +148,11 @@ ROWS = [
         "the experts through torch._grouped_mm, the balancing bias", GPT2 + FSDP + MOE, check=learns, cap=150),
     Row("demo", "config/demo_cpu.yaml as it is (one process, unwrapped)", ["config/demo_cpu.yaml"], check=learns,
         cap=120),
+    Row("doc_mask", "fsdp_bf16's run (eager) with doc_mask: each document of a row attended alone, a flash call per "
+        "document, no mask", GPT2 + FSDP + ["--doc_mask=true"], check=learns, cap=120),
+    Row("ring_1gpu", "doc_mask's run with cp_mode ring on one GPU (no passes): the flash kernel's log-sum-exp "
+        "forward and its backward given it, per document", GPT2 + FSDP + ["--doc_mask=true", "--cp_mode=ring"],
+        check=learns, cap=120),
     Row("one_gpu_fp32", "the reference of 2gpu_fp32: force_fsdp, fp32 (TF32)", GPT2 + FSDP + ["--dtype=fp32"],
         gpus=2, check=learns),
     Row("2gpu_fp32", "2 ranks FULL_SHARD over NCCL, fp32: within 1e-3 of one GPU (TF32 rounding)",
@@ -161,6 +166,9 @@ ROWS = [
         check=learns),
     Row("2gpu_ep", "2 ranks, the moe row's mixture with ep_size 2: 4 experts a rank, tokens through NCCL "
         "all-to-alls", GPT2 + FSDP + MOE + ["--ep_size=2"], nproc=2, gpus=2, check=learns, cap=150),
+    Row("2gpu_ring", "2 ranks, cp_size 2 in ring mode with doc_mask, bf16: key/value blocks and their gradients "
+        "over NCCL's point-to-point sends", GPT2 + FSDP + ["--doc_mask=true", "--cp_mode=ring", "--cp_size=2"],
+        nproc=2, gpus=2, check=learns),
 ]
 
 
@@ -292,7 +300,9 @@ def main(extra: list[str]) -> int:
     started = datetime.date.today().isoformat()
     print(machine(), flush=True)
     gpus = gpu_count()
-    results = [run_row(check, row, gpus) for row in ROWS]
+    chosen = os.environ.get("GPU_CHECK_ROWS")  # a comma-separated subset (a rerun of some rows), else all
+    rows = [row for row in ROWS if chosen is None or row.name in chosen.split(",")]
+    results = [run_row(check, row, gpus) for row in rows]
     text = table(results, gpu_tests(check), started)
     print(text)
     with open(os.path.join(check.dir, "table.md"), "w") as f:

@@ -1,6 +1,6 @@
 """The paths only a GPU has: bf16 autocast, FSDP mixed precision with pinned-memory offload, the
-side-stream loader, fused AdamW state on CUDA across a resume, compile, and NCCL collectives on 2+
-GPUs. Each test starts its processes with the GPUs visible (the rest of the suite hides them) and
+side-stream loader, fused AdamW state on CUDA across a resume, compile, the ring's and doc_mask's
+attention kernels, and NCCL collectives on 2+ GPUs. Each test starts its processes with the GPUs visible (the rest of the suite hides them) and
 skips, saying why, where there are too few. bench/gpu_check.sh runs them on a GPU machine.
 
 Tolerances: GPU kernels are not bitwise deterministic run to run (the attention backward
@@ -8,6 +8,7 @@ accumulates with atomics), and fp32 matmuls run as TF32, so a resumed or compile
 reference to rel 1e-3 rather than exactly; two ranks against one process compare forward-only
 figures and losses at the CPU parity tests' rel 1e-4.
 """
+import json
 import os
 import subprocess
 import sys
@@ -114,3 +115,14 @@ def test_two_gpus_over_nccl_match_one(optimizer, gpu_env, corpus, tmp_path):
         for step, value in losses(str(runs[1]), tag).items():
             assert losses(str(runs[2]), tag)[step] == pytest.approx(value, rel=1e-4), (tag, step)
     assert TINY["max_iters"] in losses(str(runs[2]))
+
+
+def test_ring_kernels_and_per_document_calls_on_cuda(gpu_env):
+    """tests/attention_check.py on the GPU in bf16: the flash kernel's forward with its log-sum-exp
+    and its backward given the merged one (the ring's), and doc_mask's per-document calls."""
+    env = gpu_env(1)
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "attention_check.py"), "cuda", "bfloat16"],
+                            capture_output=True, text=True, timeout=300, env=dict(os.environ) | env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    assert len(figures) == 3 and max(figures.values()) < 3e-2, figures

@@ -283,9 +283,9 @@ def test_gpu_check_runs_as_is_and_writes_one_table(corpus, tmp_path):
     assert table[:2] == ["| run | what it runs | tok/s | MFU | peak memory, GB | result |",
                          "| --- | --- | --- | --- | --- | --- |"]
     rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in table[2:] if line.startswith("| ")}
-    for name in ("fsdp_bf16", "fsdp_resume", "fsdp_compile", "recipe_muon", "moe", "demo"):
+    for name in ("fsdp_bf16", "fsdp_resume", "fsdp_compile", "recipe_muon", "moe", "demo", "doc_mask", "ring_1gpu"):
         assert rows[name][-1] == "pass |" and rows[name][2], rows[name]
-    for name in ("one_gpu_fp32", "2gpu_fp32", "2gpu_hybrid", "2gpu_no_shard", "2gpu_offload", "2gpu_ep"):
+    for name in ("one_gpu_fp32", "2gpu_fp32", "2gpu_hybrid", "2gpu_no_shard", "2gpu_offload", "2gpu_ep", "2gpu_ring"):
         assert rows[name][-1] == "not run: needs 2 GPUs, found 0 |"
     assert "mesh (shard=1)" in (tmp_path / "fsdp_bf16.log").read_text()  # wrapped in FSDP2 at one process
     assert "resumed from" in (tmp_path / "fsdp_resume.log").read_text()

@@ -9,6 +9,7 @@ import re
 import pytest
 import torch
 
+from attention_check import largest_differences
 from conftest import DEMO, ROOT, RUN, checkpoint_of, launch, run_trainer, scalars
 from test_context_parallel import assert_parity, logged
 from test_doc_mask import short_corpus  # noqa: F401 - the fixture
@@ -30,6 +31,19 @@ def test_ring_attention_is_whole_row_attention(nproc, tmp_path):
     assert len(report) == 6
     for case, (largest, cycles) in report.items():
         assert largest < 1e-5 and cycles == 0, (case, largest, cycles)
+
+
+# relative to each tensor's largest entry; bf16 keeps 8 bits (a rounding is up to 0.4%), and the
+# fp32 reference is rounded once to bf16 on the way in
+TOLERANCE = {"float32": 1e-5, "bfloat16": 3e-2}
+
+
+@pytest.mark.parametrize("dtype", TOLERANCE)
+def test_ring_kernels_and_per_document_calls_are_masked_attention(dtype):
+    """tests/attention_check.py on the CPU: blocks merged by log-sum-exp and their backward with the
+    merged output, per-document calls, and the one-rank ring with documents, against a dense mask."""
+    figures = largest_differences("cpu", getattr(torch, dtype))
+    assert len(figures) == 3 and max(figures.values()) < TOLERANCE[dtype], figures
 
 
 def test_zigzag_pieces_cover_each_row_once_and_balance_the_causal_work():

@@ -1,0 +1,100 @@
+"""The attention kernels of doc_mask and the ring on one device, against attention with a dense mask
+computed in fp32 (test_ring_attention.py on the CPU; test_gpu.py runs it on CUDA, in bf16):
+
+    python tests/attention_check.py cuda bfloat16      # prints the largest differences as JSON
+
+- "merged blocks": the second half of a row's queries against the first half's keys (in full) and
+  against their own half (causal), each block apart through the ring's kernels, merged by
+  log-sum-exp; then each block's backward run with the merged output and log-sum-exp. Together:
+  causal attention over the row and its gradients (dq summed over the blocks).
+- "per-document calls": model.document_attention, a causal SDPA call per document.
+- "ring kernels, documents": the ring of one rank (its kernels and per-document rectangles).
+Grouped-query heads (4 over 2) throughout.
+"""
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from fsdp_gpt.distributed.ring_attention import KERNELS, RingAttention, _fold, _merge, _repeat  # noqa: E402
+from fsdp_gpt.model import Documents, document_attention  # noqa: E402
+
+B, H, KV, T, D = 2, 4, 2, 256, 64
+
+
+def inputs(device: str, dtype: torch.dtype) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(B, n, T, D, generator=g).to(device, dtype) for n in (H, KV, KV, H)]  # q, k, v, dout
+
+
+def reference(q, k, v, dout, mask: torch.Tensor) -> list[torch.Tensor]:
+    """Output and gradients of q, k, v in fp32 with a dense (B, T, T) mask."""
+    q, k, v = (t.detach().float().clone().requires_grad_() for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1), enable_gqa=True)
+    out.backward(dout.float())
+    return [out.detach(), q.grad, k.grad, v.grad]
+
+
+def merged_blocks(q, k, v, dout) -> list[torch.Tensor]:
+    """The second half's queries: output and gradients (zero for the first half's queries)."""
+    run, run_backward = KERNELS[q.device.type]
+    half, groups = T // 2, H // KV
+    mine = q[:, :, half:]
+    blocks = [(slice(0, half), False), (slice(half, T), True)]  # the earlier half in full, its own causal
+    out = torch.zeros(mine.shape, dtype=torch.float32, device=q.device)
+    lse = torch.empty(mine.shape[:-1], dtype=torch.float32, device=q.device)
+    auxes = []
+    for i, (keys, causal) in enumerate(blocks):
+        block_out, block_lse, aux = run(mine, _repeat(k[:, :, keys], groups), _repeat(v[:, :, keys], groups), causal)
+        auxes.append(aux)
+        if i == 0:
+            out.copy_(block_out)
+            lse.copy_(block_lse)
+        else:
+            _merge(out, lse, block_out, block_lse)
+    out = out.to(q.dtype)
+    dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=q.device) for t in (q, k, v))
+    for (keys, causal), aux in zip(blocks, auxes):
+        grads = run_backward(dout[:, :, half:], mine, _repeat(k[:, :, keys], groups), _repeat(v[:, :, keys], groups),
+                             out, lse, aux, causal)
+        dq[:, :, half:] += grads[0]
+        dk[:, :, keys] += _fold(grads[1], groups)
+        dv[:, :, keys] += _fold(grads[2], groups)
+    return [torch.cat([torch.zeros_like(out), out], dim=2).float(), dq, dk, dv]
+
+
+def with_autograd(attention, q, k, v, dout) -> list[torch.Tensor]:
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = attention(q, k, v)
+    out.backward(dout)
+    return [out.detach().float(), q.grad.float(), k.grad.float(), v.grad.float()]
+
+
+def largest_differences(device: str, dtype: torch.dtype) -> dict[str, float]:
+    q, k, v, dout = inputs(device, dtype)
+    causal = torch.ones(T, T, dtype=torch.bool, device=device).tril().expand(B, T, T)
+    opens = torch.zeros(B, T, dtype=torch.bool)
+    opens[0, [7, 8, 100, 129, 200]] = True
+    opens[1, [0, 128]] = True
+    docs = Documents.of_rows(opens)
+    ids = docs.ids.to(device)
+    documents = causal & (ids.unsqueeze(-1) == ids.unsqueeze(-2))
+    second = torch.zeros_like(dout)
+    second[:, :, T // 2:] = dout[:, :, T // 2:]  # the loss reads the second half's outputs alone
+    expected = reference(q, k, v, second, causal)
+    expected[0][:, :, :T // 2] = 0
+    got = {"merged blocks": (merged_blocks(q, k, v, second), expected)}
+    expected = reference(q, k, v, dout, documents)
+    got["per-document calls"] = (with_autograd(lambda *t: document_attention(*t, 0.0, True, docs), q, k, v, dout), expected)
+    ring = RingAttention(None, 0, [torch.arange(T)])
+    got["ring kernels, documents"] = (with_autograd(lambda *t: ring(*t, 0.0, True, docs), q, k, v, dout), expected)
+    # relative to each tensor's largest entry: bf16 rounds at ~4e-3 of a value
+    return {case: max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(ours, theirs))
+            for case, (ours, theirs) in got.items()}
+
+
+if __name__ == "__main__":
+    print(json.dumps(largest_differences(sys.argv[1], getattr(torch, sys.argv[2]))))
