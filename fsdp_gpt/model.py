@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from fsdp_gpt.attention import Documents, causal_attention, sdpa_takes_gqa
 from fsdp_gpt.moe import MoE
 
 
@@ -98,64 +99,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat((-x2, x1), dim=-1)
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
-
-
-def sdpa_takes_gqa(q: torch.Tensor) -> bool:
-    """Whether scaled_dot_product_attention(enable_gqa=True) runs q's grouped-query attention
-    without a T x T scores matrix. CPU's fused kernel takes it in every dtype; on CUDA only the
-    flash kernel does (fp16/bf16 on sm80+, head_dim a multiple of 8 up to 256): elsewhere (fp32,
-    fp16 on a V100 or T4) CUDA would fall back to the math kernel."""
-    if q.device.type != "cuda":
-        return True
-    head_dim = q.shape[-1]
-    return (q.dtype in (torch.float16, torch.bfloat16) and torch.cuda.get_device_capability(q.device)[0] >= 8
-            and head_dim % 8 == 0 and head_dim <= 256)
-
-
-class Documents:
-    """Where the documents of a micro-batch's rows lie, found once per forward for every layer:
-    ids (B, T), on the host, the document of each position of the whole row (a separator opens the
-    next: 0, 1, ... or 1, 2, ... where a row starts with one). Linear in T: no T x T mask."""
-
-    def __init__(self, ids: torch.Tensor):
-        self.ids = ids
-
-    @classmethod
-    def of_rows(cls, opens: torch.Tensor) -> "Documents":
-        """opens (B, T): the tokens of whole rows that open a document. One copy to the host."""
-        return cls(opens.cumsum(-1).cpu())
-
-    def lengths(self, row: int) -> list[int]:
-        """The lengths of a row's documents, in order (each at least 1: a separator is its document's first token)."""
-        return torch.unique_consecutive(self.ids[row], return_counts=True)[1].tolist()
-
-
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, enable_gqa: bool,
-                     docs: Documents | None = None) -> torch.Tensor:
-    """Attention's core: q (B, heads, T, head_dim), k and v (B, kv heads, T, head_dim) -> like q.
-    docs: where documents lie in these rows, or None: each row is one sequence. SDPA picks the flash
-    or memory-efficient kernel on GPU, a fused flash kernel on CPU."""
-    if docs is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, enable_gqa=enable_gqa)
-    return document_attention(q, k, v, dropout_p, enable_gqa, docs)
-
-
-@torch.compiler.disable  # as many calls as documents: under compile the block breaks its graph here
-def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, enable_gqa: bool,
-                       docs: Documents) -> torch.Tensor:
-    """doc_mask: a token attends to the earlier tokens of its own document only. Each document is
-    computed alone, by one causal SDPA call on its slice of the row: no mask is built (the kernels
-    stay flash on GPU), memory is the unmasked call's, and the work is each document's length
-    squared, so a row of many short documents costs less than a row of one."""
-    rows = []
-    for row, qkv in enumerate(zip(q.unbind(0), k.unbind(0), v.unbind(0))):  # (heads, T, head_dim) each
-        lengths = docs.lengths(row)
-        # split, not slicing: the gradient of each piece lands in one tensor, not a row-sized one per document
-        pieces = zip(*(t.split(lengths, dim=1) for t in qkv))
-        rows.append(torch.cat([F.scaled_dot_product_attention(*(t.unsqueeze(0) for t in piece), is_causal=True,
-                                                              dropout_p=dropout_p, enable_gqa=enable_gqa)
-                               for piece in pieces], dim=2))
-    return torch.cat(rows)
 
 
 class CausalSelfAttention(nn.Module):

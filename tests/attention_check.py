@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from fsdp_gpt.distributed.ring_attention import KERNELS, RingAttention, _fold, _merge, _repeat  # noqa: E402
-from fsdp_gpt.model import Documents, document_attention  # noqa: E402
+from fsdp_gpt.attention import Documents, document_attention  # noqa: E402
 
 B, H, KV, T, D = 2, 4, 2, 256, 64
 

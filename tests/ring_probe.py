@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from fsdp_gpt.distributed.context_parallel import RowDocuments, row_positions  # noqa: E402
 from fsdp_gpt.distributed.launch import run_entry_point  # noqa: E402
 from fsdp_gpt.distributed.ring_attention import RingAttention  # noqa: E402
-from fsdp_gpt.model import Documents, document_attention  # noqa: E402
+from fsdp_gpt.attention import Documents, document_attention  # noqa: E402
 
 T = 48  # 2 x cp chunks for cp 2, 3 and 4
 # (heads, key/value heads, where documents open in row 0 and row 1, or None: no documents)

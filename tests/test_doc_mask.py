@@ -10,6 +10,7 @@ import torch
 
 from conftest import ROOT, RUN, run_trainer, scalars, shared
 from fsdp_gpt.data.prepare import prepare_data
+from fsdp_gpt.attention import Documents, document_attention
 from fsdp_gpt.model import GPT, GPTConfig
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
@@ -28,6 +29,30 @@ def test_each_document_is_computed_as_it_would_be_alone(arch):
     for first, end in zip(bounds, bounds[1:]):  # alone, at the same positions of a row
         torch.testing.assert_close(masked[:, first:end], model(row[:, first:end], positions=torch.arange(first, end))[0], rtol=1e-5, atol=1e-5)
     assert not torch.allclose(plain[:, 30:], masked[:, 30:], atol=1e-3)  # unmasked, later documents see earlier ones
+
+
+def test_documents_of_like_length_share_one_kernel_call(monkeypatch):
+    """The cost in calls follows the groups of like length, not the documents: 4 rows of 1,024
+    tokens, three cut into documents of 226 to 256 tokens (rounded up to a quarter of 128: 256, one
+    group) and a few others, one whole row; each document still computed alone."""
+    lengths = [[256, 230, 250, 240, 48], [231, 256, 256, 281], [1024], [226, 226, 226, 226, 120]]
+    opens = torch.zeros(4, 1024, dtype=torch.bool)
+    for row, docs in enumerate(lengths):
+        opens[row, torch.tensor(docs).cumsum(0)[:-1]] = True
+    docs = Documents.of_rows(opens)
+    assert [g.shape[1] for g in docs.buckets(torch.device("cpu")).gathers] == [48, 128, 256, 320, 1024]
+    calls, sdpa = [], torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", lambda q, *a, **kw: (
+        calls.append(q.shape[0]), sdpa(q, *a, **kw))[1])
+    q, k, v = (torch.randn(4, 2, 1024, 8) for _ in range(3))
+    out = document_attention(q, k, v, 0.0, False, docs)
+    assert calls == [1, 1, 11, 1, 1]  # documents per call: 48; 120; the 226-256s; 281; the whole row
+    for row, row_lengths in enumerate(lengths):
+        start = 0
+        for length in row_lengths:
+            alone = sdpa(*(t[row:row + 1, :, start:start + length] for t in (q, k, v)), is_causal=True)
+            torch.testing.assert_close(out[row:row + 1, :, start:start + length], alone, rtol=1e-5, atol=1e-5)
+            start += length
 
 
 @pytest.fixture(scope="session")

@@ -24,7 +24,8 @@ import torch.distributed as dist
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 from fsdp_gpt.distributed.ring_attention import RingAttention
-from fsdp_gpt.model import GPT, Documents, causal_attention
+from fsdp_gpt.attention import Documents, causal_attention
+from fsdp_gpt.model import GPT
 
 
 def row_pieces(mode: str, cp_rank: int, cp_size: int, block_size: int) -> list[tuple[int, int]]:

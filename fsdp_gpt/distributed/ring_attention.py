@@ -10,9 +10,12 @@ gives every rank the same causal work at every step:
   a block of a later rank: its second chunk's queries against the whole block, in full (its first
     chunk lies before both of the block's).
 After step 0, each step is C x 2C query-key pairs on every rank (C: a chunk's tokens).
-doc_mask: each such rectangle is cut into one per document (a document's queries against the same
-document's keys), each computed alone; a query none of whose keys is in a step's block sits that step
-out. No mask is built.
+doc_mask: step 0 is causal attention within each document of the rank's own tokens, computed as
+model.document_attention computes it (documents in groups of like length, right-padded, one kernel
+call a group); after it, each rectangle is cut into one per document (a document's queries against
+the same document's keys: at most one document spans the gap between two chunks, so at most two
+per row and step), each computed alone; a query none of whose keys is in a step's block sits that
+step out. No mask is built.
 
 Backward is exact: the forward keeps the merged output and log-sum-exp, and each step's kernel
 backward runs with those (dS = P (dP - rowsum(dO O)), P from the final log-sum-exp), which gives each
@@ -29,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from fsdp_gpt.model import Documents
+from fsdp_gpt.attention import DocumentBuckets, Documents
 
 aten = torch.ops.aten
 
@@ -101,6 +104,44 @@ def _fold(t: torch.Tensor, groups: int) -> torch.Tensor:
     return t.unflatten(1, (-1, groups)).sum(2) if groups > 1 else t
 
 
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """(B, heads, L, ...) -> (B * L, heads, ...): a row's positions flat, as DocumentBuckets counts them."""
+    return t.transpose(1, 2).flatten(0, 1)
+
+
+def _unflat(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return t.view(like.shape[0], like.shape[2], *t.shape[1:]).transpose(1, 2)
+
+
+def _own_documents(run, q, k, v, groups: int, buckets: DocumentBuckets):
+    """Step 0 under doc_mask: causal attention within each document of the rank's own tokens, a
+    kernel call per group of like length. Output and log-sum-exp like q's, and each call's aux."""
+    q_, k_, v_ = (_flat(t) for t in (q, k, v))
+    outs, lses, auxes = [], [], []
+    for gather in buckets.gathers:
+        out, lse, aux = run(q_[gather].transpose(1, 2), *(_repeat(t[gather].transpose(1, 2), groups) for t in (k_, v_)),
+                            True)
+        outs.append(_flat(out))
+        lses.append(_flat(lse.unsqueeze(-1)))
+        auxes.append(aux)
+    return (_unflat(torch.cat(outs)[buckets.source], q), _unflat(torch.cat(lses)[buckets.source], q).squeeze(-1),
+            auxes)
+
+
+def _own_documents_backward(run_backward, dout, q, k, v, out, lse, groups: int, buckets: DocumentBuckets, auxes):
+    """dq, dk, dv of step 0 under doc_mask, with the final output and log-sum-exp (padding's queries
+    carry no gradient: its rows of dout are zeroed)."""
+    dout_, q_, k_, v_, out_, lse_ = (_flat(t) for t in (dout, q, k, v, out, lse.unsqueeze(-1)))
+    grads = [], [], []
+    for gather, real, aux in zip(buckets.gathers, buckets.reals, auxes):
+        block = run_backward((dout_[gather] * real[..., None, None]).transpose(1, 2), q_[gather].transpose(1, 2),
+                             *(_repeat(t[gather].transpose(1, 2), groups) for t in (k_, v_)),
+                             out_[gather].transpose(1, 2), lse_[gather].squeeze(-1).transpose(1, 2), aux, True)
+        for kept, grad, fold in zip(grads, block, (1, groups, groups)):
+            kept.append(_flat(_fold(grad, fold)))
+    return [_unflat(torch.cat(kept)[buckets.source], like) for kept, like in zip(grads, (q, k, v))]
+
+
 def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
     """out, lse (views of the running fp32 result, updated in place) merged with a block's, in the
     sigmoid form: stable wherever the two log-sum-exps lie (no exp of a difference)."""
@@ -119,22 +160,25 @@ class RingAttention:
             self.next, self.prev = (dist.get_global_rank(group, (cp_rank + shift) % self.cp) for shift in (1, -1))
         self._plan = (None, None)  # (docs, plan) of the latest forward: every layer's
 
-    def plan(self, docs: Documents | None) -> list[tuple[bool, list[tuple]]]:
-        """Per step: causal or not, and the (rows, q0, q1, k0, k1) rectangles to compute; the same for
-        every layer of a forward (and its backward), so made once per Documents."""
+    def plan(self, docs: Documents | None) -> tuple[Documents | None, list[tuple[bool, list[tuple]]]]:
+        """The rank's own tokens' documents (None without doc_mask), and per step: causal or not, and
+        the (rows, q0, q1, k0, k1) rectangles to compute (step 0 under doc_mask: none, the documents
+        are computed whole). The same for every layer of a forward and its backward: made once per Documents."""
         if self._plan[0] is not docs or self._plan[1] is None:
-            chunk = len(self.positions[self.rank]) // 2
-            plan = []
+            chunk, mine = len(self.positions[self.rank]) // 2, self.positions[self.rank]
+            own = None if docs is None else Documents(docs.ids[:, mine])
+            steps = []
             for source, causal, (q0, q1, k0, k1) in _steps(self.rank, self.cp, chunk):
                 if docs is None:
                     rects = [(slice(None), q0, q1, k0, k1)]
+                elif source == self.rank:
+                    rects = []  # own.buckets
                 else:
-                    ids = docs.ids.numpy()
-                    mine, theirs = self.positions[self.rank][q0:q1], self.positions[source][k0:k1]
+                    ids, theirs = docs.ids.numpy(), self.positions[source][k0:k1]
                     rects = [(slice(row, row + 1), q0 + a, q0 + b, k0 + c, k0 + d) for row in range(len(ids))
-                             for a, b, c, d in _by_document(ids[row, mine], ids[row, theirs])]
-                plan.append((causal, rects))
-            self._plan = (docs, plan)
+                             for a, b, c, d in _by_document(ids[row, mine[q0:q1]], ids[row, theirs])]
+                steps.append((causal, rects))
+            self._plan = (docs, (own, steps))
         return self._plan[1]
 
     def pass_on(self, t: torch.Tensor):
@@ -154,12 +198,12 @@ class RingAttention:
     @torch.compiler.disable  # host loops and point-to-point sends: eager inside a compiled block
     def __call__(self, q, k, v, dropout_p: float, enable_gqa: bool, docs: Documents | None = None) -> torch.Tensor:
         assert dropout_p == 0.0, "config.validate refuses dropout with cp_mode: ring"
-        return _Ring.apply(q, k, v, self, self.plan(docs))
+        return _Ring.apply(q, k, v, self, *self.plan(docs))
 
 
 class _Ring(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, ring: RingAttention, plan: list):
+    def forward(ctx, q, k, v, ring: RingAttention, own: Documents | None, plan: list):
         run, _ = KERNELS[q.device.type]
         groups = q.shape[1] // k.shape[1]
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # merged in fp32
@@ -167,6 +211,11 @@ class _Ring(torch.autograd.Function):
         kv, auxes = torch.stack((k, v)), []
         for step, (causal, rects) in enumerate(plan):
             incoming = ring.pass_on(kv) if step < ring.cp - 1 else None  # the next block travels meanwhile
+            if step == 0 and own is not None:
+                own_out, own_lse, own_auxes = _own_documents(run, q, k, v, groups, own.buckets(q.device))
+                out.copy_(own_out)
+                lse.copy_(own_lse)
+                auxes.append(own_auxes)
             for rows, q0, q1, k0, k1 in rects:
                 block_out, block_lse, aux = run(q[rows, :, q0:q1], *(_repeat(t, groups) for t in kv[:, rows, :, k0:k1]),
                                                 causal)
@@ -180,7 +229,7 @@ class _Ring(torch.autograd.Function):
                 kv = incoming()
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring, ctx.plan, ctx.auxes = ring, plan, auxes
+        ctx.ring, ctx.own, ctx.plan, ctx.auxes = ring, own, plan, auxes
         return out
 
     @staticmethod
@@ -194,6 +243,12 @@ class _Ring(torch.autograd.Function):
         auxes = iter(ctx.auxes)
         for step, (causal, rects) in enumerate(ctx.plan):
             incoming = ring.pass_on(kv) if step < ring.cp - 1 else None
+            if step == 0 and ctx.own is not None:
+                own = _own_documents_backward(run_backward, dout, q, k, v, out, lse, groups, ctx.own.buckets(q.device),
+                                              next(auxes))
+                dq += own[0]
+                dkv[0] += own[1]
+                dkv[1] += own[2]
             for rows, q0, q1, k0, k1 in rects:
                 local = (rows, slice(None), slice(q0, q1))
                 dq_block, dk_block, dv_block = run_backward(
@@ -206,4 +261,4 @@ class _Ring(torch.autograd.Function):
                 dkv = ring.pass_on(dkv)()
             if incoming is not None:
                 kv = incoming()
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None

@@ -1,0 +1,104 @@
+"""Attention's core for the model (no distributed code): causal over whole rows, or over the
+documents inside them (doc_mask), and which grouped-query attention SDPA runs without a T x T matrix.
+Context parallelism swaps the core from outside (distributed/context_parallel.py).
+"""
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+def sdpa_takes_gqa(q: torch.Tensor) -> bool:
+    """Whether scaled_dot_product_attention(enable_gqa=True) runs q's grouped-query attention
+    without a T x T scores matrix. CPU's fused kernel takes it in every dtype; on CUDA only the
+    flash kernel does (fp16/bf16 on sm80+, head_dim a multiple of 8 up to 256): elsewhere (fp32,
+    fp16 on a V100 or T4) CUDA would fall back to the math kernel."""
+    if q.device.type != "cuda":
+        return True
+    head_dim = q.shape[-1]
+    return (q.dtype in (torch.float16, torch.bfloat16) and torch.cuda.get_device_capability(q.device)[0] >= 8
+            and head_dim % 8 == 0 and head_dim <= 256)
+
+
+@dataclass
+class DocumentBuckets:
+    """Every document of a micro-batch's rows, in groups of like length: a document is computed
+    right-padded to its group's length, and causal attention keeps its queries off the padding that
+    follows it, so no mask is needed. Positions are flat, row * T + column."""
+    gathers: list[torch.Tensor]  # per group, (documents, padded length): each token's position, the padding repeating the last
+    reals: list[torch.Tensor]  # per group, (documents, padded length): True at a real token, False at padding
+    source: torch.Tensor  # (B * T,): where each position's result lies in the groups' results, flattened and concatenated
+
+
+def padded_length(lengths: np.ndarray) -> np.ndarray:
+    """A document's group: its length rounded up to a quarter of the power of two below it (at
+    least 16). At most (5/4)^2 the causal work of the document alone, and 4 groups per octave."""
+    granule = np.left_shift(1, np.maximum(np.floor(np.log2(lengths)).astype(np.int64) - 2, 4))
+    return -(-lengths // granule) * granule
+
+
+class Documents:
+    """Where the documents of a micro-batch's rows lie, found once per forward for every layer:
+    ids (B, T), on the host, the document of each position (a separator opens the next: 0, 1, ...
+    or 1, 2, ... where a row starts with one). Linear in T: no T x T mask."""
+
+    def __init__(self, ids: torch.Tensor):
+        self.ids = ids
+        self._buckets = {}  # by device: made at the first layer, read by the others
+
+    @classmethod
+    def of_rows(cls, opens: torch.Tensor) -> "Documents":
+        """opens (B, T): the tokens of whole rows that open a document. One copy to the host."""
+        return cls(opens.cumsum(-1).cpu())
+
+    def buckets(self, device: torch.device) -> DocumentBuckets:
+        if device not in self._buckets:
+            ids = self.ids.numpy()
+            rows, T = ids.shape
+            flat = (ids + np.arange(rows)[:, None] * (ids.max() + 1)).ravel()  # no document spans two rows
+            starts = np.flatnonzero(np.concatenate([[True], flat[1:] != flat[:-1]]))
+            lengths = np.diff(np.append(starts, flat.size))
+            padded = padded_length(lengths)
+            gathers, reals, source, offset = [], [], np.empty(flat.size, dtype=np.int64), 0
+            for length in np.unique(padded):
+                mine = padded == length
+                column = np.arange(length)
+                gathers.append(starts[mine, None] + np.minimum(column, lengths[mine, None] - 1))
+                reals.append(column < lengths[mine, None])
+                source[gathers[-1][reals[-1]]] = offset + np.flatnonzero(reals[-1])
+                offset += gathers[-1].size
+            # one copy to the device for all of it
+            arrays = gathers + [r.astype(np.int64) for r in reals] + [source]
+            moved = torch.from_numpy(np.concatenate([a.ravel() for a in arrays])).to(device).split([a.size for a in arrays])
+            moved = [m.view(a.shape) for m, a in zip(moved, arrays)]
+            self._buckets[device] = DocumentBuckets(moved[:len(gathers)], [m.bool() for m in moved[len(gathers):-1]],
+                                                    moved[-1])
+        return self._buckets[device]
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, enable_gqa: bool,
+                     docs: Documents | None = None) -> torch.Tensor:
+    """Attention's core: q (B, heads, T, head_dim), k and v (B, kv heads, T, head_dim) -> like q.
+    docs: where documents lie in these rows, or None: each row is one sequence. SDPA picks the flash
+    or memory-efficient kernel on GPU, a fused flash kernel on CPU."""
+    if docs is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, enable_gqa=enable_gqa)
+    return document_attention(q, k, v, dropout_p, enable_gqa, docs)
+
+
+@torch.compiler.disable  # one call per group of documents, as many as the data has: eager inside compiled blocks
+def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, enable_gqa: bool,
+                       docs: Documents) -> torch.Tensor:
+    """doc_mask: a token attends to the earlier tokens of its own document only. The documents of
+    all rows are gathered into groups of like length (Documents.buckets), and each group is one
+    causal SDPA call: no mask is built (the kernels stay flash on GPU), memory is about the unmasked
+    call's, and the work is each document's length squared, so a row of many short documents costs
+    less than a row of one."""
+    B, H, T, D = q.shape
+    buckets = docs.buckets(q.device)
+    flat = [t.transpose(1, 2).reshape(B * T, t.shape[1], D) for t in (q, k, v)]  # (B*T, heads, D)
+    results = [F.scaled_dot_product_attention(*(t[gather].transpose(1, 2) for t in flat), is_causal=True,
+                                              dropout_p=dropout_p, enable_gqa=enable_gqa).transpose(1, 2).reshape(-1, H, D)
+               for gather in buckets.gathers]  # (documents x padded length, H, D) each
+    return torch.cat(results)[buckets.source].view(B, T, H, D).transpose(1, 2)
