@@ -103,6 +103,14 @@ def test_a_llama_run_lengthens_its_context_on_resume_and_gpt2_is_told_why_not(ru
             "the checkpoint's, the data continues after its step") in result.stdout
     assert "context parallel 2 (ulysses, each row over 2 ranks)" in result.stdout
     assert sorted(scalars(str(tmp_path / "long" / "tb"), "train/loss")) == [4, 5, 6]
+    # the long-context phase as docs/long_runs.md runs it: doc_mask, the ring over more ranks than the
+    # short run had
+    os.makedirs(tmp_path / "ring")
+    result = run_trainer(str(tmp_path / "ring"), nproc=4, resume_from=checkpoint_of(tmp_path / "short", "sharded", 3),
+                         **llama | dict(block_size=64, rope_theta=50000.0, cp_size=4, cp_mode="ring", doc_mask=True,
+                                        micro_batch=1))
+    assert "context parallel 4 (ring, each row over 4 ranks)" in result.stdout
+    assert sorted(scalars(str(tmp_path / "ring" / "tb"), "val/loss")) == [6]
 
     os.makedirs(tmp_path / "gpt2")
     # every rank exits 2, which torchrun reports as 1

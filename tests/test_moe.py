@@ -168,6 +168,7 @@ LAYOUTS = {  # name: (ranks, settings)
     "ep4_muon": (4, dict(ep_size=4, optimizer="muon", normuon=True, checkpoint_type="full")),
     "no_aux_one": (1, dict(moe_aux_loss=0.0)),
     "ep2_cp2": (4, dict(ep_size=2, cp_size=2, moe_aux_loss=0.0)),
+    "ep2_cp2_ring": (4, dict(ep_size=2, cp_size=2, cp_mode="ring", moe_aux_loss=0.0)),
 }
 
 
@@ -190,7 +191,8 @@ AUX = "moe/layer1/aux_loss"  # the logged balancing loss: each rank's own tokens
 
 @pytest.mark.slow
 @pytest.mark.parametrize("reference, layout", [("one", "three"), ("muon_one", "muon_three"), ("one", "ep2"),
-                                               ("one", "ep2_hybrid"), ("muon_one", "ep4_muon"), ("no_aux_one", "ep2_cp2")])
+                                               ("one", "ep2_hybrid"), ("muon_one", "ep4_muon"), ("no_aux_one", "ep2_cp2"),
+                                               ("no_aux_one", "ep2_cp2_ring")])
 def test_n_ranks_train_the_run_of_one_process(reference, layout, runs):
     """The gradient norm too: Adam's update hardly changes if an expert's gradient is off by a factor
     (expert parallelism's first gradients were ep_size times too small at FSDP groups of one)."""
