@@ -57,8 +57,9 @@ def describe_run(cfg, topo: Topology, accum_steps: int, dtype: torch.dtype) -> N
     if cfg.world_size not in (None, world):
         print(f"note: config written for world_size={cfg.world_size}, launched with {world} ranks; "
               f"train_batch={cfg.train_batch} stays global, so accumulation is now {accum_steps} micro-steps")
+    context = cfg.cp_size > 1 or cfg.cp_mode == "ring"  # the ring runs at cp_size 1 too (no passes)
     print(f"{world} ranks, {cfg.sharding_strategy if cfg.fsdp else 'DDP'}, mesh {topo.describe_mesh()}, "
-          f"{f'context parallel {cfg.cp_size} ({cfg.cp_mode}, each row over {cfg.cp_size} ranks), ' if cfg.cp_size > 1 or cfg.cp_mode == 'ring' else ''}"
+          f"{f'context parallel {cfg.cp_size} ({cfg.cp_mode}, each row over {cfg.cp_size} ranks), ' if context else ''}"
           f"{f'expert parallel {cfg.ep_size} ({cfg.moe_experts // cfg.ep_size} experts a rank), ' if cfg.ep_size > 1 else ''}"
           f"{'model not wrapped (one process: nothing to shard), ' if topo.wrap == 'none' else ''}"
           f"gradient accumulation {accum_steps}, compute dtype {dtype}", flush=True)

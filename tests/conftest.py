@@ -135,7 +135,7 @@ def hf_val_loss(folder, corpus: dict, architecture: str, train_batch: int = TINY
     loader = BatchLoader({"data": (corpus["data_path"], meta)}, TINY["block_size"], TINY["micro_batch"],
                          TINY["micro_batch"], 0, 1, TINY["seed"], torch.device("cpu"))
     windows = TINY["eval_iters"] * train_batch
-    total, count = val_loss_sums(lambda x, start, separator: (hf(x).logits, None), loader, windows)[0].tolist()
+    total, count = val_loss_sums(lambda x, positions, separator: (hf(x).logits, None), loader, windows)[0].tolist()
     return total / count
 
 

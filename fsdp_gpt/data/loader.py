@@ -7,6 +7,7 @@ import torch
 from fsdp_gpt.config import UserError
 from fsdp_gpt.data.prepare import LLMC_HEADER_INTS, llmc_format, llmc_header, llmc_shards
 from fsdp_gpt.data.mixture import Mixture, Segment
+from fsdp_gpt.distributed.context_parallel import positions_of
 
 
 class TokenStream:
@@ -101,7 +102,7 @@ class BatchLoader:
         self.block_size, self.train_batch, self.micro_batch = block_size, train_batch, micro_batch
         self.dp_rank, self.dp_size, self.seed, self.device = dp_rank, dp_size, seed, device
         self.pieces = pieces or [(0, block_size)]
-        self.positions = torch.cat([torch.arange(start, start + length) for start, length in self.pieces]).to(device)
+        self.positions = positions_of(self.pieces).to(device)
         self.cp_size = block_size // len(self.positions)  # ranks that share each row
         self.separator = next(iter(sources.values()))[1].get("eot_token")  # between documents (None: not known)
         self.names = list(sources)

@@ -38,10 +38,13 @@ def row_pieces(mode: str, cp_rank: int, cp_size: int, block_size: int) -> list[t
     return [(cp_rank * chunk, chunk), ((2 * cp_size - 1 - cp_rank) * chunk, chunk)]
 
 
+def positions_of(pieces: list[tuple[int, int]]) -> torch.Tensor:
+    """Where each column of a rank holding these pieces of a row sits in the row."""
+    return torch.cat([torch.arange(start, start + length) for start, length in pieces])
+
+
 def row_positions(mode: str, cp_rank: int, cp_size: int, block_size: int) -> torch.Tensor:
-    """Where each of that rank's columns sits in the row (its pieces' positions, in order)."""
-    return torch.cat([torch.arange(start, start + length) for start, length in row_pieces(mode, cp_rank, cp_size,
-                                                                                          block_size)])
+    return positions_of(row_pieces(mode, cp_rank, cp_size, block_size))
 
 
 def context_groups(world_size: int, cp_size: int):
