@@ -185,8 +185,9 @@ class RingAttention:
         """Send t to the next rank of the ring and receive the previous rank's: returns a function that
         waits for both and returns what came (a plain closure, freed when dropped: a class made here
         would sit in a reference cycle, holding both blocks until the garbage collector ran)."""
-        received = torch.empty_like(t)
-        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, t.contiguous(), self.next, self.group),
+        sent = t.contiguous()
+        received = torch.empty_like(sent)  # the layout of what is sent: empty_like(t) would keep t's strides
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, sent, self.next, self.group),
                                         dist.P2POp(dist.irecv, received, self.prev, self.group)])
 
         def wait() -> torch.Tensor:
