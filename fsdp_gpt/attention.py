@@ -30,6 +30,16 @@ class DocumentBuckets:
     reals: list[torch.Tensor]  # per group, (documents, padded length): True at a real token, False at padding
     source: torch.Tensor  # (B * T,): where each position's result lies in the groups' results, flattened and concatenated
 
+    def regroup(self, results: list[torch.Tensor], rows: int) -> torch.Tensor:
+        """The groups' results, (documents x padded length, heads, ...) each, back in the rows'
+        order: (rows, heads, T, ...)."""
+        return torch.cat(results)[self.source].unflatten(0, (rows, -1)).transpose(1, 2)
+
+
+def by_position(t: torch.Tensor) -> torch.Tensor:
+    """(B, heads, T, ...) -> (B * T, heads, ...): the rows' positions flat, as DocumentBuckets counts them."""
+    return t.transpose(1, 2).flatten(0, 1)
+
 
 def padded_length(lengths: np.ndarray) -> np.ndarray:
     """A document's group: its length rounded up to a quarter of the power of two below it (at
@@ -95,10 +105,9 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropou
     causal SDPA call: no mask is built (the kernels stay flash on GPU), memory is about the unmasked
     call's, and the work is each document's length squared, so a row of many short documents costs
     less than a row of one."""
-    B, H, T, D = q.shape
     buckets = docs.buckets(q.device)
-    flat = [t.transpose(1, 2).reshape(B * T, t.shape[1], D) for t in (q, k, v)]  # (B*T, heads, D)
-    results = [F.scaled_dot_product_attention(*(t[gather].transpose(1, 2) for t in flat), is_causal=True,
-                                              dropout_p=dropout_p, enable_gqa=enable_gqa).transpose(1, 2).reshape(-1, H, D)
-               for gather in buckets.gathers]  # (documents x padded length, H, D) each
-    return torch.cat(results)[buckets.source].view(B, T, H, D).transpose(1, 2)
+    flat = [by_position(t) for t in (q, k, v)]  # (B*T, heads, D)
+    results = [by_position(F.scaled_dot_product_attention(*(t[gather].transpose(1, 2) for t in flat), is_causal=True,
+                                                          dropout_p=dropout_p, enable_gqa=enable_gqa))
+               for gather in buckets.gathers]  # (documents x padded length, heads, D) each
+    return buckets.regroup(results, q.shape[0])

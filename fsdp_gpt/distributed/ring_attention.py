@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from fsdp_gpt.attention import DocumentBuckets, Documents
+from fsdp_gpt.attention import DocumentBuckets, Documents, by_position
 
 aten = torch.ops.aten
 
@@ -104,42 +104,32 @@ def _fold(t: torch.Tensor, groups: int) -> torch.Tensor:
     return t.unflatten(1, (-1, groups)).sum(2) if groups > 1 else t
 
 
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    """(B, heads, L, ...) -> (B * L, heads, ...): a row's positions flat, as DocumentBuckets counts them."""
-    return t.transpose(1, 2).flatten(0, 1)
-
-
-def _unflat(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    return t.view(like.shape[0], like.shape[2], *t.shape[1:]).transpose(1, 2)
-
-
 def _own_documents(run, q, k, v, groups: int, buckets: DocumentBuckets):
     """Step 0 under doc_mask: causal attention within each document of the rank's own tokens, a
     kernel call per group of like length. Output and log-sum-exp like q's, and each call's aux."""
-    q_, k_, v_ = (_flat(t) for t in (q, k, v))
+    q_, k_, v_ = (by_position(t) for t in (q, k, v))
     outs, lses, auxes = [], [], []
     for gather in buckets.gathers:
         out, lse, aux = run(q_[gather].transpose(1, 2), *(_repeat(t[gather].transpose(1, 2), groups) for t in (k_, v_)),
                             True)
-        outs.append(_flat(out))
-        lses.append(_flat(lse.unsqueeze(-1)))
+        outs.append(by_position(out))
+        lses.append(by_position(lse))
         auxes.append(aux)
-    return (_unflat(torch.cat(outs)[buckets.source], q), _unflat(torch.cat(lses)[buckets.source], q).squeeze(-1),
-            auxes)
+    return buckets.regroup(outs, q.shape[0]), buckets.regroup(lses, q.shape[0]), auxes
 
 
 def _own_documents_backward(run_backward, dout, q, k, v, out, lse, groups: int, buckets: DocumentBuckets, auxes):
     """dq, dk, dv of step 0 under doc_mask, with the final output and log-sum-exp (padding's queries
     carry no gradient: its rows of dout are zeroed)."""
-    dout_, q_, k_, v_, out_, lse_ = (_flat(t) for t in (dout, q, k, v, out, lse.unsqueeze(-1)))
+    dout_, q_, k_, v_, out_, lse_ = (by_position(t) for t in (dout, q, k, v, out, lse))
     grads = [], [], []
     for gather, real, aux in zip(buckets.gathers, buckets.reals, auxes):
         block = run_backward((dout_[gather] * real[..., None, None]).transpose(1, 2), q_[gather].transpose(1, 2),
                              *(_repeat(t[gather].transpose(1, 2), groups) for t in (k_, v_)),
-                             out_[gather].transpose(1, 2), lse_[gather].squeeze(-1).transpose(1, 2), aux, True)
+                             out_[gather].transpose(1, 2), lse_[gather].transpose(1, 2), aux, True)
         for kept, grad, fold in zip(grads, block, (1, groups, groups)):
-            kept.append(_flat(_fold(grad, fold)))
-    return [_unflat(torch.cat(kept)[buckets.source], like) for kept, like in zip(grads, (q, k, v))]
+            kept.append(by_position(_fold(grad, fold)))
+    return [buckets.regroup(kept, q.shape[0]) for kept in grads]
 
 
 def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
@@ -167,6 +157,7 @@ class RingAttention:
         if self._plan[0] is not docs or self._plan[1] is None:
             chunk, mine = len(self.positions[self.rank]) // 2, self.positions[self.rank]
             own = None if docs is None else Documents(docs.ids[:, mine])
+            ids = None if docs is None else docs.ids.numpy()
             steps = []
             for source, causal, (q0, q1, k0, k1) in _steps(self.rank, self.cp, chunk):
                 if docs is None:
@@ -174,7 +165,7 @@ class RingAttention:
                 elif source == self.rank:
                     rects = []  # own.buckets
                 else:
-                    ids, theirs = docs.ids.numpy(), self.positions[source][k0:k1]
+                    theirs = self.positions[source][k0:k1]
                     rects = [(slice(row, row + 1), q0 + a, q0 + b, k0 + c, k0 + d) for row in range(len(ids))
                              for a, b, c, d in _by_document(ids[row, mine[q0:q1]], ids[row, theirs])]
                 steps.append((causal, rects))
