@@ -19,6 +19,7 @@ from fsdp_gpt.config_help import help_text
 from fsdp_gpt.data.loader import BatchLoader
 from fsdp_gpt.data.prepare import prepare_sources
 from fsdp_gpt.data.run_data import open_loader, settle_data, data_state
+from fsdp_gpt.distributed.context_parallel import swaps_attention
 from fsdp_gpt.distributed.launch import Topology, agree, init_distributed, run_entry_point
 from fsdp_gpt.distributed.parallelize import build_model, forward_context, set_gradient_sync
 from fsdp_gpt.distributed.precision import check_offload, compute_dtype
@@ -57,9 +58,9 @@ def describe_run(cfg, topo: Topology, accum_steps: int, dtype: torch.dtype) -> N
     if cfg.world_size not in (None, world):
         print(f"note: config written for world_size={cfg.world_size}, launched with {world} ranks; "
               f"train_batch={cfg.train_batch} stays global, so accumulation is now {accum_steps} micro-steps")
-    context = cfg.cp_size > 1 or cfg.cp_mode == "ring"  # the ring runs at cp_size 1 too (no passes)
-    print(f"{world} ranks, {cfg.sharding_strategy if cfg.fsdp else 'DDP'}, mesh {topo.describe_mesh()}, "
-          f"{f'context parallel {cfg.cp_size} ({cfg.cp_mode}, each row over {cfg.cp_size} ranks), ' if context else ''}"
+    context = (f"context parallel {cfg.cp_size} ({cfg.cp_mode}, each row over {cfg.cp_size} ranks), "
+               if swaps_attention(cfg.cp_mode, cfg.cp_size) else "")
+    print(f"{world} ranks, {cfg.sharding_strategy if cfg.fsdp else 'DDP'}, mesh {topo.describe_mesh()}, {context}"
           f"{f'expert parallel {cfg.ep_size} ({cfg.moe_experts // cfg.ep_size} experts a rank), ' if cfg.ep_size > 1 else ''}"
           f"{'model not wrapped (one process: nothing to shard), ' if topo.wrap == 'none' else ''}"
           f"gradient accumulation {accum_steps}, compute dtype {dtype}", flush=True)

@@ -38,6 +38,12 @@ def row_pieces(mode: str, cp_rank: int, cp_size: int, block_size: int) -> list[t
     return [(cp_rank * chunk, chunk), ((2 * cp_size - 1 - cp_rank) * chunk, chunk)]
 
 
+def swaps_attention(cp_mode: str, cp_size: int) -> bool:
+    """Whether a rank's attention core is swapped: context parallelism, or the ring at any cp_size
+    (at 1 its kernels alone, no passes)."""
+    return cp_size > 1 or cp_mode == "ring"
+
+
 def positions_of(pieces: list[tuple[int, int]]) -> torch.Tensor:
     """Where each column of a rank holding these pieces of a row sits in the row."""
     return torch.cat([torch.arange(start, start + length) for start, length in pieces])

@@ -9,7 +9,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.nn.parallel import DistributedDataParallel
 
 from fsdp_gpt.config import UserError
-from fsdp_gpt.distributed.context_parallel import apply_context_parallel
+from fsdp_gpt.distributed.context_parallel import apply_context_parallel, swaps_attention
 from fsdp_gpt.distributed.ring_attention import ring_refusal
 from fsdp_gpt.distributed.expert_parallel import apply_expert_parallel, shard_experts
 from fsdp_gpt.distributed.launch import STRATEGY_TABLE, Topology, agree
@@ -36,7 +36,7 @@ def build_model(cfg, gpt_cfg: GPTConfig, topo: Topology) -> torch.nn.Module:
         print(f"parameters: {n_params:,} ({n_params / 1e6:.1f}M){active}", flush=True)
     if cfg.cp_mode == "ring" and (refusal := ring_refusal(topo.device, compute_dtype(cfg.dtype, topo.device))):
         raise UserError(refusal)
-    if topo.cp_size > 1 or cfg.cp_mode == "ring":
+    if swaps_attention(cfg.cp_mode, topo.cp_size):
         apply_context_parallel(model, cfg.cp_mode, topo.cp_group, topo.cp_size, topo.cp_rank, cfg.block_size,
                                topo.device)
     if topo.ep_size > 1:
