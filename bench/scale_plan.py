@@ -144,7 +144,11 @@ class Plan:
     def ulysses_bytes(self) -> float:
         """Per step: each layer's four all-to-alls (q, k, v in; the output back) of this rank's
         slice, each sending (cp-1)/cp of it; as many again in backward, and in a recomputed forward."""
-        return self.ulysses_layer_bytes() * self.model.config.n_layer * self.micro_steps
+        return self.per_step(self.ulysses_layer_bytes())
+
+    def per_step(self, layer_bytes: float) -> float:
+        """A layer's bytes in one micro-step, over every layer and micro-step of an optimizer step."""
+        return layer_bytes * self.model.config.n_layer * self.micro_steps
 
     def ulysses_layer_bytes(self) -> float:
         """One layer's, one micro-step: see ulysses_bytes."""
@@ -230,7 +234,7 @@ def context_rows(plan: Plan, sent: dict) -> dict:
             "Ulysses all-to-all GB sent per rank per step": ulysses_refusal or f"{sent['ulysses'] / GB:.3f}",
             "ring MB sent per rank per layer (a micro-step)": f"{plan.ring_layer_bytes() / 1e6:.2f}",
             "ring GB sent per rank per step":
-            f"{plan.ring_layer_bytes() * plan.model.config.n_layer * plan.micro_steps / GB:.3f}"}
+            f"{plan.per_step(plan.ring_layer_bytes()) / GB:.3f}"}
 
 
 def report(plans: dict, bandwidth: float) -> list[tuple[str, ...]]:
