@@ -7,7 +7,7 @@ computed in fp32 (test_ring_attention.py on the CPU; test_gpu.py runs it on CUDA
   against their own half (causal), each block apart through the ring's kernels, merged by
   log-sum-exp; then each block's backward run with the merged output and log-sum-exp. Together:
   causal attention over the row and its gradients (dq summed over the blocks).
-- "per-document calls": model.document_attention, a causal SDPA call per document.
+- "per-document calls": attention.document_attention, a causal SDPA call per document.
 - "ring kernels, documents": the ring of one rank (its kernels and per-document rectangles).
 Grouped-query heads (4 over 2) throughout.
 """

@@ -75,7 +75,7 @@ def _exchange(t: torch.Tensor, group, cp: int, split_dim: int, gather_dim: int) 
 
 
 class UlyssesAttention:
-    """The attention core over whole rows, for q, k, v of this rank's slice (model.causal_attention's
+    """The attention core over whole rows, for q, k, v of this rank's slice (attention.causal_attention's
     signature): heads split over the group for the attention itself."""
 
     def __init__(self, group, cp_size: int):

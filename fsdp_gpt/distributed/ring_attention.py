@@ -11,7 +11,7 @@ gives every rank the same causal work at every step:
     chunk lies before both of the block's).
 After step 0, each step is C x 2C query-key pairs on every rank (C: a chunk's tokens).
 doc_mask: step 0 is causal attention within each document of the rank's own tokens, computed as
-model.document_attention computes it (documents in groups of like length, right-padded, one kernel
+attention.document_attention computes it (documents in groups of like length, right-padded, one kernel
 call a group); after it, each rectangle is cut into one per document (a document's queries against
 the same document's keys: at most one document spans the gap between two chunks, so at most two
 per row and step), each computed alone; a query none of whose keys is in a step's block sits that
@@ -140,7 +140,7 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_
 
 
 class RingAttention:
-    """The attention core of a rank of a context group in ring mode (model.causal_attention's
+    """The attention core of a rank of a context group in ring mode (attention.causal_attention's
     signature), one object for every layer. positions: each rank's columns' positions in the row."""
 
     def __init__(self, group, cp_rank: int, positions: list[torch.Tensor]):
