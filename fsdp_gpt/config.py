@@ -38,6 +38,7 @@ OPTIMIZERS = ("adamw", "muon")
 LR_SCHEDULES = ("cosine", "wsd", "constant")
 DECAY_SHAPES = ("linear", "1-sqrt")
 CP_MODES = ("ulysses", "ring")
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 # arch first: a checkpoint of the other layout is reported as that, not as its first consequence (bias)
 MODEL_SHAPE_KEYS = ("arch", "vocab_size", "block_size", "n_layer", "n_head", "n_embd", "bias", "n_kv_head",
                     "rope_theta", "rope_scaling", "qk_norm", "tie_embeddings", "ffn_hidden", "norm_eps", "mlp", "logit_softcap", "value_embeds", "head_dim",
@@ -150,7 +151,9 @@ class TrainConfig:
     reduce_dtype: str = key("fp32", "FSDP's gradient reduction dtype (DDP reduces the gradients as they are, fp32)")
     cpu_offload: bool = key(False, "FSDP: parameters, gradients and optimizer state in host memory")
     activation_checkpointing: bool = key(False, "recompute each DecoderBlock's activations in backward")
-    compile: bool = key(False, "torch.compile each DecoderBlock")
+    compile: bool = key(False, "torch.compile each DecoderBlock and the LM head's chunked loss")
+    compile_mode: str = key("default", "torch.compile's mode: default or max-autotune-no-cudagraphs (searches matmul "
+                                       "and kernel configurations at start-up; CUDA graphs don't fit FSDP's hooks)")
     cp_size: int = key(1, "context parallelism: ranks that split each row's block_size tokens, dividing the world "
                           "size (and n_head, n_kv_head and block_size under ulysses; 2 x cp_size divides block_size "
                           "under ring)")
@@ -255,6 +258,7 @@ def validate(cfg: TrainConfig) -> None:
     require(cfg.sharding_strategy in STRATEGIES,
             f"sharding_strategy '{cfg.sharding_strategy}' is not one of {', '.join(STRATEGIES)}")
     require(cfg.dtype in DTYPES, f"dtype '{cfg.dtype}' is not one of {', '.join(DTYPES)}")
+    require(cfg.compile_mode in COMPILE_MODES, f"compile_mode '{cfg.compile_mode}' is not one of {', '.join(COMPILE_MODES)}")
     require(cfg.reduce_dtype in DTYPES[1:], f"reduce_dtype '{cfg.reduce_dtype}' is not one of bf16, fp16, fp32")
     require(cfg.checkpoint_type in ("full", "sharded"),
             f"checkpoint_type '{cfg.checkpoint_type}' must be 'full' or 'sharded'")

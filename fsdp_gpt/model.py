@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from fsdp_gpt.attention import Documents, causal_attention, sdpa_takes_gqa
+from fsdp_gpt.loss import chunked_cross_entropy, head_loss_chunk, per_position_cross_entropy
 from fsdp_gpt.moe import MoE
 
 
@@ -203,6 +204,8 @@ class GPT(nn.Module):
         # where a forward's documents lie, from its tokens that open one (replaceable from outside:
         # a rank holding a slice of each row learns the whole rows' from its context group)
         self.documents = Documents.of_rows
+        # the LM head and cross-entropy over one chunk of rows (replaceable: compile swaps in a fused one)
+        self.head_loss_chunk = head_loss_chunk
         if self.wte.weight.device.type != "meta":
             self.init_weights()
 
@@ -230,12 +233,14 @@ class GPT(nn.Module):
                 nn.init.zeros_(p)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, positions: torch.Tensor | None = None,
-                separator: int | None = None):
+                separator: int | None = None, reduction: str = "mean"):
         """idx, targets: (B, T) token ids. positions (T,): where each column sits in its row (None:
         0 .. T-1; under context parallelism a rank holds a slice of each row, or two). separator: the
         token between documents (it opens the one after it); attention does not cross it (None: rows
         are single sequences). Positions stay the row's: RoPE's attention depends on distances alone,
-        so a document attends the same anywhere in a row. Returns logits (B, T, vocab) and the mean loss."""
+        so a document attends the same anywhere in a row. Returns (logits (B, T, vocab), None) without
+        targets; with them (None, the mean loss), or with reduction "none" (None, each position's loss
+        (B, T) in fp32): no logits tensor is made."""
         B, T = idx.shape
         assert T <= self.config.block_size, f"sequence of {T} exceeds block_size {self.config.block_size}"
         if positions is None:
@@ -253,20 +258,28 @@ class GPT(nn.Module):
                 x = checkpoint(block, x, rope, idx, docs, use_reentrant=False)
             else:
                 x = block(x, rope, idx, docs)
-        logits = self.lm_head(self.ln_f(x))
+        h = self.ln_f(x)
+        if targets is None:
+            return self.logits(h), None
+        # the head and cross-entropy chunk by chunk: no (B, T, vocab) logits (loss.py)
+        if reduction == "none":  # evaluation: eager (a compiled chunk would compile again without gradients)
+            return None, per_position_cross_entropy(h, self.lm_head.weight, targets, self.config.logit_softcap)
+        loss = chunked_cross_entropy(h, self.lm_head.weight, targets, self.config.logit_softcap, self.head_loss_chunk)
+        if self.config.moe_aux_loss and self.training:
+            balancing = self.config.moe_aux_loss * torch.stack([m.aux_loss for m in self.moe_layers()]).mean()
+            # the value stays the language-modelling loss (what is logged and compared with dense
+            # runs): x - x.detach() is exactly 0, and it carries the balancing term's gradient
+            loss = loss + (balancing - balancing.detach())
+        return None, loss
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """(B, T, vocab) from the final norm's output: for evaluation and sampling."""
+        logits = self.lm_head(h)
         if self.config.logit_softcap:  # Gemma 2's soft cap: large logits can't run away
             # in fp32, as the speedruns cap: in bf16 its gradient is off by ~2e-3 relative
             cap = self.config.logit_softcap
             logits = cap * torch.tanh(logits.float() / cap)
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-            if self.config.moe_aux_loss and self.training:
-                balancing = self.config.moe_aux_loss * torch.stack([m.aux_loss for m in self.moe_layers()]).mean()
-                # the value stays the language-modelling loss (what is logged and compared with dense
-                # runs): x - x.detach() is exactly 0, and it carries the balancing term's gradient
-                loss = loss + (balancing - balancing.detach())
-        return logits, loss
+        return logits
 
     def moe_layers(self) -> list[MoE]:
         return [block.mlp for block in self.blocks if isinstance(block.mlp, MoE)]

@@ -135,8 +135,18 @@ def hf_val_loss(folder, corpus: dict, architecture: str, train_batch: int = TINY
     loader = BatchLoader({"data": (corpus["data_path"], meta)}, TINY["block_size"], TINY["micro_batch"],
                          TINY["micro_batch"], 0, 1, TINY["seed"], torch.device("cpu"))
     windows = TINY["eval_iters"] * train_batch
-    total, count = val_loss_sums(lambda x, positions, separator: (hf(x).logits, None), loader, windows)[0].tolist()
+    total, count = val_loss_sums(as_gpt(hf), loader, windows)[0].tolist()
     return total / count
+
+
+def as_gpt(hf):
+    """A transformers model called as the evaluation calls model.GPT: (None, each position's loss)."""
+    import torch.nn.functional as F
+
+    def forward(x, y, positions=None, separator=None, reduction="none"):
+        assert reduction == "none" and separator is None
+        return None, F.cross_entropy(hf(x).logits.float().flatten(0, 1), y.flatten(), reduction="none").view_as(y)
+    return forward
 
 
 def evaluated(checkpoint, *args, env: dict | None = None) -> float:

@@ -63,10 +63,12 @@ def probe() -> None:
         whole = model_for(top_k, favoured, experts)
         split = copy.deepcopy(whole)
         apply_expert_parallel(split, mesh)
-        logits, loss = whole(x, y)
-        loss.backward()
         mine = slice(2 * rank, 2 * rank + 2)
-        my_logits, my_loss = split(x[mine], y[mine])
+        with torch.no_grad():  # in eval mode: no routing figures recorded
+            logits, my_logits = whole.eval()(x)[0], split.eval()(x[mine])[0]
+        _, loss = whole.train()(x, y)
+        loss.backward()
+        _, my_loss = split.train()(x[mine], y[mine])
         my_loss.backward()
         total = my_loss.detach().clone()
         dist.all_reduce(total)

@@ -20,7 +20,7 @@ LAYER_OF = {group: i for i, groups in enumerate(LAYERS) for group in groups}
 
 
 # modules at the package's top that belong to another's group
-GROUP_OF = {"config_help": "config", "config_parse": "config", "moe": "model", "attention": "model"}
+GROUP_OF = {"config_help": "config", "config_parse": "config", "moe": "model", "attention": "model", "loss": "model"}
 
 
 def group(module: str) -> str:
@@ -70,11 +70,11 @@ def test_layers_import_downwards():
     assert not wrong, wrong
 
 
-@pytest.mark.parametrize("module", ["model.py", "moe.py", "attention.py"])
+@pytest.mark.parametrize("module", ["model.py", "moe.py", "attention.py", "loss.py"])
 def test_model_is_plain_pytorch(module):
     """The model's files import torch, not torch.distributed, and of the project only each other."""
     assert {name for name in imports(os.path.join(PACKAGE, module))
-            if name.startswith(("fsdp_gpt", "torch.distributed"))} <= {"fsdp_gpt.moe", "fsdp_gpt.attention"}
+            if name.startswith(("fsdp_gpt", "torch.distributed"))} <= {"fsdp_gpt.moe", "fsdp_gpt.attention", "fsdp_gpt.loss"}
 
 
 def test_no_module_past_its_size():

@@ -135,7 +135,7 @@ def test_end_to_end_prepare_continue_on_two_ranks_export_and_evaluate(folder, re
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from conftest import evaluated
+    from conftest import as_gpt, evaluated
     from fsdp_gpt.data.prepare import prepare_data
     from fsdp_gpt.evaluation.val_loss import val_loss_sums
     from fsdp_gpt.data.loader import BatchLoader
@@ -155,7 +155,7 @@ def test_end_to_end_prepare_continue_on_two_ranks_export_and_evaluate(folder, re
     loader = BatchLoader({"data": (str(tmp_path / "prepared"), meta)}, SMALL["block_size"], 2, 2, 0, 1, 1337,
                          torch.device("cpu"))
     with torch.no_grad():
-        total, windows = val_loss_sums(lambda x, positions, separator: (hf(x).logits, None), loader, SMALL["train_batch"])[0].tolist()
+        total, windows = val_loss_sums(as_gpt(hf), loader, SMALL["train_batch"])[0].tolist()
     assert total / windows == pytest.approx(evaluated(checkpoint), abs=1e-4)
     # sampling and multiple-choice evaluation take the run's tokenizer from the checkpoint
     assert tool("sample.py", checkpoint, "--max_new_tokens", "8", "--seed", "1").strip()

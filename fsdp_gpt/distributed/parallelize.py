@@ -43,8 +43,7 @@ def build_model(cfg, gpt_cfg: GPTConfig, topo: Topology) -> torch.nn.Module:
         apply_expert_parallel(model, topo.expert_mesh["ep"])
     model.activation_checkpointing = cfg.activation_checkpointing
     if cfg.compile:
-        for block in model.blocks:
-            block.compile()
+        compile_model(model, cfg.compile_mode)
     param_device = topo.device
     if topo.wrap == "fsdp":
         _, reshard = STRATEGY_TABLE[cfg.sharding_strategy]
@@ -84,6 +83,14 @@ def build_model(cfg, gpt_cfg: GPTConfig, topo: Topology) -> torch.nn.Module:
         model = DistributedDataParallel(model, device_ids=[topo.device.index] if topo.device.type == "cuda" else None,
                                         find_unused_parameters=True)
     return model
+
+
+def compile_model(model: GPT, mode: str) -> None:
+    """Each DecoderBlock compiled alone (FSDP's hooks run between them: one graph a block), and the
+    LM head's loss chunk (its soft cap, log-sum-exp and gradient fused into passes over the chunk)."""
+    for block in model.blocks:
+        block.compile(mode=mode)
+    model.head_loss_chunk = torch.compile(model.head_loss_chunk, mode=mode)
 
 
 def set_gradient_sync(model: torch.nn.Module, enabled: bool) -> None:

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from fsdp_gpt.config import UserError
 
@@ -145,8 +144,8 @@ def score_group(model, group: list[Item], block_size: int, device: torch.device)
     # from pinned memory the copy is queued behind the GPU's work instead of waiting for it to drain
     x, y, scored = (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
     scored = scored.float()
-    logits, _ = model(x)  # (rows, width, vocab)
-    logprobs = -F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none").view_as(y) * scored
+    _, losses = model(x, y, reduction="none")  # (rows, width): each position's loss, no logits tensor
+    logprobs = -losses * scored
     sums = logprobs.sum(1).double()
     scores = torch.stack([sums, sums / scored.sum(1)], dim=1)  # (rows, 2)
     return list(scores.split([len(item.choices) for item in group]))

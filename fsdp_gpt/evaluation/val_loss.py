@@ -6,7 +6,6 @@ tokens of val.bin: the same tokens at any world size. A mixture's run: each sour
 share of the windows, and their mean weighted by data_weights.
 """
 import torch
-import torch.nn.functional as F
 
 from fsdp_gpt.data.loader import BatchLoader
 
@@ -19,8 +18,9 @@ def val_loss_sums(model, loader: BatchLoader, n_windows: int, doc_mask: bool = F
     separator, as the run trained."""
     total = torch.zeros(len(loader.names), 2, dtype=torch.float64, device=loader.device)
     for k, x, y, weight in loader.val_batches(n_windows):
-        logits, _ = model(x, positions=loader.positions, separator=loader.separator if doc_mask else None)
-        per_window = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none").view_as(y).mean(1)
+        _, losses = model(x, y, positions=loader.positions, separator=loader.separator if doc_mask else None,
+                          reduction="none")
+        per_window = losses.mean(1)
         total[k] += torch.stack([(per_window * weight).sum(), weight.sum()]).double() / loader.cp_size
     return total
 

@@ -1,0 +1,94 @@
+"""The LM head and the cross-entropy together, a chunk of rows at a time (no distributed code).
+
+A training forward never holds the [B, T, vocab] logits: each chunk of rows computes its logits,
+its share of the loss (fp32) and, at once, its gradients with respect to the hidden states and the
+head's weight; then the chunk's logits are freed. Backward only scales what the forward kept (the
+hidden states' gradient, the size of the hidden states, and the weight's, accumulated in fp32). At
+GPT-2's vocabulary the logits of 16 x 1,024 tokens are 1.6 GB in bf16, 3.3 GB in fp32, and as much
+again for the log-softmax and the gradient: here a chunk's (2^27 elements on a GPU, 2^25 on a CPU).
+
+The FLOPs are the plain head's (one matmul forward, two backward), none recomputed. The chunk's
+function is plain PyTorch that torch.compile can fuse (the soft cap, log-sum-exp and gradient in one
+pass over the chunk's logits): parallelize.py swaps in the compiled one.
+"""
+import torch
+
+# elements of a chunk's logits: the fp32 logits, their gradient and the soft cap's tanh live at once
+CHUNK_ELEMENTS = {"cuda": 1 << 27, "cpu": 1 << 25}
+
+
+def chunk_count(rows: int, vocab: int, device_type: str) -> int:
+    """Chunks of equal rows (one compiled shape) whose logits fit the device's budget."""
+    chunks = -(-rows * vocab // CHUNK_ELEMENTS.get(device_type, CHUNK_ELEMENTS["cpu"]))
+    while rows % chunks:
+        chunks += 1
+    return chunks
+
+
+def head_loss_chunk(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, softcap: float | None,
+                    grads: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """h (rows, C), weight (vocab, C), targets (rows,) -> each row's loss (rows,) in fp32, and with
+    grads the gradients of their sum with respect to h (rows, C) and weight (vocab, C), written out
+    as cross-entropy's backward computes them (softmax - one-hot)."""
+    logits = h @ weight.t()  # (rows, vocab) in the compute dtype (autocast's or the parameters')
+    z = logits.float()
+    if softcap:  # in fp32, as the speedruns cap: in bf16 its gradient is off by ~2e-3 relative
+        capped = torch.tanh(z / softcap)
+        z = softcap * capped
+    lse = torch.logsumexp(z, dim=-1)
+    losses = lse - z.gather(-1, targets[:, None]).squeeze(-1)
+    if not grads:
+        return losses, None, None
+    dz = torch.exp(z - lse[:, None]).scatter_add(-1, targets[:, None], -torch.ones_like(lse[:, None]))
+    if softcap:
+        dz = dz * (1 - capped * capped)
+    dlogits = dz.to(logits.dtype)  # where the plain head's backward casts too (logits.float()'s backward)
+    return losses, dlogits @ weight, dlogits.t() @ h
+
+
+class ChunkedHeadLoss(torch.autograd.Function):
+    """The mean cross-entropy of h @ weight.T against targets, chunk by chunk (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, softcap, chunk_fn):
+        flat_h, flat_targets = h.flatten(0, -2), targets.flatten()
+        rows = flat_h.shape[0]
+        grads = any(ctx.needs_input_grad[:2])
+        loss = torch.zeros((), device=h.device, dtype=torch.float32)
+        grad_h = torch.empty_like(flat_h) if grads else None
+        grad_weight = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if grads else None
+        chunks = chunk_count(rows, weight.shape[0], h.device.type)
+        for piece, (h_c, t_c) in enumerate(zip(flat_h.chunk(chunks), flat_targets.chunk(chunks))):
+            loss_c, grad_h_c, grad_weight_c = chunk_fn(h_c, weight, t_c, softcap, grads)
+            loss += loss_c.sum()
+            if grads:
+                grad_h[piece * h_c.shape[0]:(piece + 1) * h_c.shape[0]] = grad_h_c
+                grad_weight += grad_weight_c
+        ctx.rows = rows
+        ctx.shapes = (h.shape, h.dtype, weight.dtype)
+        ctx.save_for_backward(grad_h, grad_weight)
+        return loss / rows
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_h, grad_weight = ctx.saved_tensors
+        h_shape, h_dtype, weight_dtype = ctx.shapes
+        scale = grad_loss / ctx.rows  # the forward's gradients are of the summed loss: no fp16 underflow in them
+        return (grad_h.float().mul_(scale).to(h_dtype).view(h_shape), (grad_weight * scale).to(weight_dtype),
+                None, None, None)
+
+
+def chunked_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, softcap: float | None = None,
+                          chunk_fn=head_loss_chunk) -> torch.Tensor:
+    """F.cross_entropy(softcap(h @ weight.T).float(), targets), mean over every position, without
+    the logits tensor: h (..., C), targets (...)."""
+    return ChunkedHeadLoss.apply(h, weight, targets, softcap, chunk_fn)
+
+
+def per_position_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                               softcap: float | None = None) -> torch.Tensor:
+    """Each position's loss (...) in fp32, chunk by chunk: for evaluation (val loss, multiple choice)."""
+    flat_h, flat_targets = h.flatten(0, -2), targets.flatten()
+    chunks = chunk_count(flat_h.shape[0], weight.shape[0], h.device.type)
+    return torch.cat([head_loss_chunk(h_c, weight, t_c, softcap, False)[0]
+                      for h_c, t_c in zip(flat_h.chunk(chunks), flat_targets.chunk(chunks))]).view_as(targets)
