@@ -35,9 +35,42 @@ def expert_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> tor
     return matmul_per_expert(x, w, counts)
 
 
-@torch.compiler.disable  # eager: traced, its host split sizes would recompile the block at every new routing
+# Where no grouped matmul runs: a matmul per expert, whose split sizes the host must read. An operator
+# of its own, opaque to torch.compile: its output's shape is its input's, so a compiled block keeps
+# one graph instead of breaking (and recompiling at every new routing) around the host's split.
+@torch.library.custom_op("fsdp_gpt::matmul_per_expert", mutates_args=())
 def matmul_per_expert(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """(rows, in), (experts, out, in) -> (rows, out)."""
     return torch.cat([rows @ w_e.T for rows, w_e in zip(x.split(counts.tolist()), w)])
+
+
+@torch.library.custom_op("fsdp_gpt::expert_weight_grad", mutates_args=())
+def expert_weight_grad(grad: torch.Tensor, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """(rows, out), (rows, in) -> (experts, out, in): each expert's rows' grad.T @ x."""
+    sizes = counts.tolist()
+    return torch.stack([g.T @ rows for g, rows in zip(grad.split(sizes), x.split(sizes))])
+
+
+@matmul_per_expert.register_fake
+def _(x, w, counts):
+    return x.new_empty(x.shape[0], w.shape[1])
+
+
+@expert_weight_grad.register_fake
+def _(grad, x, counts):
+    return grad.new_empty(counts.shape[0], grad.shape[1], x.shape[1])
+
+
+def _save_inputs(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _matmul_per_expert_backward(ctx, grad):
+    x, w, counts = ctx.saved_tensors
+    return matmul_per_expert(grad, w.transpose(1, 2).contiguous(), counts), expert_weight_grad(grad, x, counts), None
+
+
+matmul_per_expert.register_autograd(_matmul_per_expert_backward, setup_context=_save_inputs)
 
 
 class GroupedExperts(nn.Module):
@@ -108,7 +141,9 @@ class MoE(nn.Module):
         # each token once per chosen expert, grouped by expert: a stable sort keeps token order inside a group
         flat = chosen.flatten()  # (N k)
         order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=experts)
+        # tokens per expert, on the device (bincount's output size is data-dependent: on CUDA it reads
+        # the ids' range back to the host, and torch.compile breaks the graph around it)
+        counts = torch.zeros(experts, dtype=flat.dtype, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
         rows = x.unsqueeze(1).expand(-1, self.top_k, -1).reshape(-1, C)[order]
         out = self.run_experts(self.experts, rows, counts)
         # back to token order by the inverse permutation, then a weighted sum over each token's k
