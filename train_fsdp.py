@@ -21,7 +21,7 @@ from fsdp_gpt.data.prepare import prepare_sources
 from fsdp_gpt.data.run_data import open_loader, settle_data, data_state
 from fsdp_gpt.distributed.context_parallel import swaps_attention
 from fsdp_gpt.distributed.launch import Topology, agree, init_distributed, run_entry_point
-from fsdp_gpt.distributed.parallelize import build_model, forward_context, set_gradient_sync
+from fsdp_gpt.distributed.parallelize import build_model, forward_context, micro_steps
 from fsdp_gpt.distributed.precision import check_offload, compute_dtype
 from fsdp_gpt.evaluation.in_training import evaluate, load_mc_sets
 from fsdp_gpt.hf_format import define_model
@@ -79,15 +79,16 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> float:
     return lr
 
 
-def forward_backward(model, loader: BatchLoader, step: int, accum_steps: int, times: StepTimes, compute, scaler,
-                     separator: int | None) -> torch.Tensor:
-    """The step's micro-batches forward and backward, gradients reduced on the last one only; the
-    global batch's mean loss (every rank's share all-reduced: every rank judges it alike)."""
+def forward_backward(model, loader: BatchLoader, step: int, accum_steps: int, times: StepTimes, compute,
+                     scaler, set_micro_step) -> torch.Tensor:
+    """The step's micro-batches forward and backward, gradients reduced on the last one only
+    (set_micro_step: parallelize.micro_steps); the global batch's mean loss (every rank's share
+    all-reduced: every rank judges it alike)."""
     loss_sum = torch.zeros((), device=loader.device)
-    for micro_step, (x, y) in enumerate(times.batches(loader.micro_batches(step))):
-        set_gradient_sync(model, micro_step == accum_steps - 1)
+    for micro_step, (x, y, opens) in enumerate(times.batches(loader.micro_batches(step))):
+        set_micro_step(model, micro_step == accum_steps - 1)
         with compute():
-            _, loss = model(x, y, positions=loader.positions, separator=separator)
+            _, loss = model(x, y, positions=loader.positions, opens=opens)  # opens: doc_mask's documents
         scaler.scale(loss / accum_steps).backward()
         loss_sum += loss.detach()
     world = dist.get_world_size()
@@ -140,11 +141,11 @@ def train(cfg) -> int:
     balance = ExpertBalance(gpt, cfg.moe_bias_rate)  # the experts' loads (and biases) after each step
     balance.load_state(ckpt.train_state.get("moe"), device)
     times = StepTimes(device)
-    separator = loader.separator if cfg.doc_mask else None  # doc_mask: attention stops at it
     profiling = Profiling(cfg, rank, device, watchdog.arm)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     guard = NonFiniteGuard(device, cfg.max_skipped_steps)
     compute = forward_context(cfg, topo)
+    set_micro_step = micro_steps(cfg)
     if step == 0:
         watchdog.arm("the eval at step 0")
         log.val(0, *evaluate(model, gpt, loader, cfg, tokenizer, mc_sets, compute))
@@ -159,7 +160,7 @@ def train(cfg) -> int:
             times.begin()
             lr = set_lr(optimizer, lr_at(cfg, step))
             seed_device(cfg.seed + 1_000_003 * step + rank, device)  # dropout masks: a function of (step, rank)
-            loss = forward_backward(model, loader, step, accum_steps, times, compute, scaler, separator)
+            loss = forward_backward(model, loader, step, accum_steps, times, compute, scaler, set_micro_step)
             spike = spikes.check(step, loss)
             scaler.unscale_(optimizer)
             grad_norm = clip_gradients(model, cfg.grad_clip or math.inf)

@@ -93,13 +93,24 @@ def compile_model(model: GPT, mode: str) -> None:
     model.head_loss_chunk = torch.compile(model.head_loss_chunk, mode=mode)
 
 
-def set_gradient_sync(model: torch.nn.Module, enabled: bool) -> None:
-    """Reduce gradients only on the last micro-step: one reduction per optimizer step."""
-    if isinstance(model, DistributedDataParallel):
-        model.require_backward_grad_sync = enabled
-    elif isinstance(model, FSDPModule):
-        model.set_requires_gradient_sync(enabled)
-    # an unwrapped model (one process) has no gradients to reduce
+def micro_steps(cfg):
+    """set(model, last): what a micro-step sets before its forward. Gradients are reduced on the
+    last micro-step only: one reduction per optimizer step. Where the strategy keeps the parameters
+    gathered from forward through backward (SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD_ZERO2), they stay
+    gathered across the step's micro-steps too, and are resharded after the last backward: one
+    all-gather per step instead of one per micro-step, at no higher peak (the end of each forward
+    holds them all gathered anyway)."""
+    gathered_through_step = cfg.fsdp and not STRATEGY_TABLE[cfg.sharding_strategy][1]
+
+    def set(model: torch.nn.Module, last: bool) -> None:
+        if isinstance(model, DistributedDataParallel):
+            model.require_backward_grad_sync = last
+        elif isinstance(model, FSDPModule):
+            model.set_requires_gradient_sync(last)
+            if gathered_through_step:
+                model.set_reshard_after_backward(last)
+        # an unwrapped model (one process) has no gradients to reduce
+    return set
 
 
 def forward_context(cfg, topo: Topology):
