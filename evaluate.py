@@ -53,12 +53,12 @@ def main(argv: list[str]) -> int:
                             f"'{run['tokenizer']}': evaluate on data prepared with '{run['tokenizer']}'")
     micro_batch = args.micro_batch or run["micro_batch"]
     segment = None if mix is None else Segment(0, run["data_weights"], {})
+    doc_mask = run.get("doc_mask", False) if args.doc_mask is None else args.doc_mask == "true"
     loader = BatchLoader(sources, model.config.block_size, micro_batch, micro_batch, 0, 1, run["seed"], device,
-                         segment)  # one rank, val windows only
+                         segment, doc_mask=doc_mask)  # one rank, val windows only
     n_windows = (args.eval_iters or run["eval_iters"]) * run["train_batch"]
     with autocast(dtype, device, fsdp=False):
-        doc_mask = run.get("doc_mask", False) if args.doc_mask is None else args.doc_mask == "true"
-        total = val_loss_sums(model, loader, n_windows, doc_mask)
+        total = val_loss_sums(model, loader, n_windows)
     loss, per_source = val_losses(total, loader)
     each = "".join(f" | {name} {value:.6f}" for name, value in per_source.items()) if mix else ""
     print(f"step {ckpt['step']} | val loss {loss:.6f} | perplexity {math.exp(loss):.3f}{each} "

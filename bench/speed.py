@@ -148,7 +148,7 @@ def bench_loader(workdir: str) -> None:
     loader = BatchLoader({"data": (path, meta)}, shape()["block_size"], BATCH, BATCH, 0, 1, 0, torch.device("cpu"))
     n_steps, start = 200, time.perf_counter()
     for step in range(1, n_steps + 1):
-        for x, y in loader.micro_batches(step):
+        for x, y, _ in loader.micro_batches(step):
             pass
     loader_rate = n_steps * BATCH * shape()["block_size"] / (time.perf_counter() - start)
     consumed = trainer_rate(1, workdir)

@@ -48,29 +48,46 @@ def padded_length(lengths: np.ndarray) -> np.ndarray:
     return -(-lengths // granule) * granule
 
 
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor copied to the device without making the host wait (pinned, queued on the stream)."""
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
+
+
 class Documents:
     """Where the documents of a micro-batch's rows lie, found once per forward for every layer:
-    ids (B, T), on the host, the document of each position (a separator opens the next: 0, 1, ...
+    ids (B, T), a host array, the document of each position (a separator opens the next: 0, 1, ...
     or 1, 2, ... where a row starts with one). Linear in T: no T x T mask."""
 
-    def __init__(self, ids: torch.Tensor):
+    def __init__(self, ids: np.ndarray):
         self.ids = ids
-        self._buckets = {}  # by device: made at the first layer, read by the others
+        self._buckets, self._sequences = {}, {}  # by device: made at the first layer, read by the others
 
     @classmethod
-    def of_rows(cls, opens: torch.Tensor) -> "Documents":
-        """opens (B, T): the tokens of whole rows that open a document. One copy to the host."""
-        return cls(opens.cumsum(-1).cpu())
+    def of_rows(cls, opens: np.ndarray | torch.Tensor) -> "Documents":
+        """opens (B, T): the tokens of whole rows that open a document; a host array (the loader's)
+        for free, or a tensor, whose copy to the host waits for its device."""
+        return cls(np.cumsum(opens if isinstance(opens, np.ndarray) else opens.cpu().numpy(), axis=-1))
+
+    def starts(self) -> np.ndarray:
+        """Where each document starts in the rows' positions laid end to end (row * T + column)."""
+        ids = self.ids
+        flat = (ids + np.arange(ids.shape[0])[:, None] * (ids.max() + 1)).ravel()  # no document spans two rows
+        return np.flatnonzero(np.concatenate([[True], flat[1:] != flat[:-1]]))
+
+    def sequences(self, device: torch.device) -> torch.Tensor:
+        """The documents' bounds in the rows laid end to end, (documents + 1,) int32 on the device:
+        varlen attention's cumulative sequence lengths."""
+        if device not in self._sequences:
+            self._sequences[device] = to_device(torch.from_numpy(np.append(self.starts(), self.ids.size).astype(np.int32)),
+                                                device)
+        return self._sequences[device]
 
     def buckets(self, device: torch.device) -> DocumentBuckets:
         if device not in self._buckets:
-            ids = self.ids.numpy()
-            rows, T = ids.shape
-            flat = (ids + np.arange(rows)[:, None] * (ids.max() + 1)).ravel()  # no document spans two rows
-            starts = np.flatnonzero(np.concatenate([[True], flat[1:] != flat[:-1]]))
-            lengths = np.diff(np.append(starts, flat.size))
+            starts = self.starts()
+            lengths = np.diff(np.append(starts, self.ids.size))
             padded = padded_length(lengths)
-            gathers, reals, source, offset = [], [], np.empty(flat.size, dtype=np.int64), 0
+            gathers, reals, source, offset = [], [], np.empty(self.ids.size, dtype=np.int64), 0
             for length in np.unique(padded):
                 mine = padded == length
                 column = np.arange(length)
@@ -80,7 +97,8 @@ class Documents:
                 offset += gathers[-1].size
             # one copy to the device for all of it
             arrays = gathers + [r.astype(np.int64) for r in reals] + [source]
-            moved = torch.from_numpy(np.concatenate([a.ravel() for a in arrays])).to(device).split([a.size for a in arrays])
+            moved = to_device(torch.from_numpy(np.concatenate([a.ravel() for a in arrays])), device)
+            moved = moved.split([a.size for a in arrays])
             moved = [m.view(a.shape) for m, a in zip(moved, arrays)]
             self._buckets[device] = DocumentBuckets(moved[:len(gathers)], [m.bool() for m in moved[len(gathers):-1]],
                                                     moved[-1])
@@ -97,14 +115,55 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_
     return document_attention(q, k, v, dropout_p, enable_gqa, docs)
 
 
-@torch.compiler.disable  # one call per group of documents, as many as the data has: eager inside compiled blocks
+def varlen_runs(q: torch.Tensor) -> bool:
+    """Whether CUDA's flash kernel takes the documents as sequences of their own (varlen): where SDPA
+    would run it (sdpa_takes_gqa), with its head counts as they are."""
+    return q.device.type == "cuda" and sdpa_takes_gqa(q)
+
+
+@torch.compiler.disable  # host-side bookkeeping of the documents (made once a forward): eager in compiled blocks
 def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, enable_gqa: bool,
                        docs: Documents) -> torch.Tensor:
-    """doc_mask: a token attends to the earlier tokens of its own document only. The documents of
-    all rows are gathered into groups of like length (Documents.buckets), and each group is one
-    causal SDPA call: no mask is built (the kernels stay flash on GPU), memory is about the unmasked
-    call's, and the work is each document's length squared, so a row of many short documents costs
-    less than a row of one."""
+    """doc_mask: a token attends to the earlier tokens of its own document only. On CUDA's flash
+    kernel, one varlen call over every document of every row; elsewhere, in groups of like length."""
+    if varlen_runs(q):
+        return VarlenAttention.apply(q, k, v, docs.sequences(q.device), dropout_p)
+    return grouped_document_attention(q, k, v, dropout_p, enable_gqa, docs)
+
+
+aten = torch.ops.aten
+
+
+class VarlenAttention(torch.autograd.Function):
+    """The flash kernel's variable-length form: the rows' positions laid end to end, each document a
+    sequence of its own (cu_seqlens), causal within it; one call for all of them, nothing gathered
+    or padded, and only each document's own causal work done."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, dropout_p):
+        B, H, T, D = q.shape
+        flat = [t.transpose(1, 2).reshape(B * T, t.shape[1], D) for t in (q, k, v)]  # (B*T, heads, D)
+        out, lse, rng_state, unused, _ = aten._flash_attention_forward(*flat, cu_seqlens, cu_seqlens, T, T, dropout_p,
+                                                                       True, False)
+        ctx.save_for_backward(*flat, out, lse, cu_seqlens, rng_state, unused)
+        ctx.dropout_p = dropout_p
+        return out.view(B, T, H, D).transpose(1, 2)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, cu_seqlens, rng_state, unused = ctx.saved_tensors
+        B, H, T, D = dout.shape
+        grads = aten._flash_attention_backward(dout.transpose(1, 2).reshape(B * T, H, D), q, k, v, out, lse,
+                                               cu_seqlens, cu_seqlens, T, T, ctx.dropout_p, True, rng_state, unused)
+        return *(g.reshape(B, T, -1, D).transpose(1, 2) for g in grads), None, None
+
+
+def grouped_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, enable_gqa: bool,
+                               docs: Documents) -> torch.Tensor:
+    """doc_mask where no varlen kernel runs (the CPU): the documents of all rows are gathered into
+    groups of like length (Documents.buckets), and each group is one causal SDPA call: no mask is
+    built, memory is about the unmasked call's, and the work is each document's length squared, so a
+    row of many short documents costs less than a row of one."""
     buckets = docs.buckets(q.device)
     flat = [by_position(t) for t in (q, k, v)]  # (B*T, heads, D)
     results = [by_position(F.scaled_dot_product_attention(*(t[gather].transpose(1, 2) for t in flat), is_causal=True,

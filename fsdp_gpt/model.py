@@ -233,11 +233,12 @@ class GPT(nn.Module):
                 nn.init.zeros_(p)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, positions: torch.Tensor | None = None,
-                separator: int | None = None, reduction: str = "mean"):
+                opens: torch.Tensor | None = None, reduction: str = "mean"):
         """idx, targets: (B, T) token ids. positions (T,): where each column sits in its row (None:
-        0 .. T-1; under context parallelism a rank holds a slice of each row, or two). separator: the
-        token between documents (it opens the one after it); attention does not cross it (None: rows
-        are single sequences). Positions stay the row's: RoPE's attention depends on distances alone,
+        0 .. T-1; under context parallelism a rank holds a slice of each row, or two). opens (B, T):
+        True at the tokens that open a document (the separator between documents), best a host
+        array (the loader's; a tensor is read back from its device): attention does not cross into another document (None: each row is one
+        sequence). Positions stay the row's: RoPE's attention depends on distances alone,
         so a document attends the same anywhere in a row. Returns (logits (B, T, vocab), None) without
         targets; with them (None, the mean loss), or with reduction "none" (None, each position's loss
         (B, T) in fp32): no logits tensor is made."""
@@ -252,7 +253,7 @@ class GPT(nn.Module):
         else:
             rope = rotary(self.config, positions)
         x = self.drop(x)
-        docs = None if separator is None else self.documents(idx == separator)
+        docs = None if opens is None else self.documents(opens)
         for block in self.blocks:
             if self.activation_checkpointing and self.training:
                 x = checkpoint(block, x, rope, idx, docs, use_reentrant=False)

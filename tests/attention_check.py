@@ -7,7 +7,8 @@ computed in fp32 (test_ring_attention.py on the CPU; test_gpu.py runs it on CUDA
   against their own half (causal), each block apart through the ring's kernels, merged by
   log-sum-exp; then each block's backward run with the merged output and log-sum-exp. Together:
   causal attention over the row and its gradients (dq summed over the blocks).
-- "per-document calls": attention.document_attention, a causal SDPA call per document.
+- "per-document calls": attention.grouped_document_attention, a causal SDPA call per group of documents.
+- "varlen call" (CUDA only): attention.VarlenAttention, the flash kernel's one call over every document.
 - "ring kernels, documents": the ring of one rank (its kernels and per-document rectangles).
 Grouped-query heads (4 over 2) throughout.
 """
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from fsdp_gpt.distributed.ring_attention import KERNELS, RingAttention, _fold, _merge, _repeat  # noqa: E402
-from fsdp_gpt.attention import Documents, document_attention  # noqa: E402
+from fsdp_gpt.attention import Documents, VarlenAttention, grouped_document_attention, varlen_runs  # noqa: E402
 
 B, H, KV, T, D = 2, 4, 2, 256, 64
 
@@ -80,7 +81,7 @@ def largest_differences(device: str, dtype: torch.dtype) -> dict[str, float]:
     opens[0, [7, 8, 100, 129, 200]] = True
     opens[1, [0, 128]] = True
     docs = Documents.of_rows(opens)
-    ids = docs.ids.to(device)
+    ids = torch.from_numpy(docs.ids).to(device)
     documents = causal & (ids.unsqueeze(-1) == ids.unsqueeze(-2))
     second = torch.zeros_like(dout)
     second[:, :, T // 2:] = dout[:, :, T // 2:]  # the loss reads the second half's outputs alone
@@ -88,7 +89,11 @@ def largest_differences(device: str, dtype: torch.dtype) -> dict[str, float]:
     expected[0][:, :, :T // 2] = 0
     got = {"merged blocks": (merged_blocks(q, k, v, second), expected)}
     expected = reference(q, k, v, dout, documents)
-    got["per-document calls"] = (with_autograd(lambda *t: document_attention(*t, 0.0, True, docs), q, k, v, dout), expected)
+    got["per-document calls"] = (with_autograd(lambda *t: grouped_document_attention(*t, 0.0, True, docs), q, k, v, dout),
+                                 expected)
+    if varlen_runs(q):
+        got["varlen call"] = (with_autograd(lambda *t: VarlenAttention.apply(*t, docs.sequences(q.device), 0.0), q, k, v,
+                                            dout), expected)
     ring = RingAttention(None, 0, [torch.arange(T)])
     got["ring kernels, documents"] = (with_autograd(lambda *t: ring(*t, 0.0, True, docs), q, k, v, dout), expected)
     # relative to each tensor's largest entry: bf16 rounds at ~4e-3 of a value

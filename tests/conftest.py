@@ -143,8 +143,8 @@ def as_gpt(hf):
     """A transformers model called as the evaluation calls model.GPT: (None, each position's loss)."""
     import torch.nn.functional as F
 
-    def forward(x, y, positions=None, separator=None, reduction="none"):
-        assert reduction == "none" and separator is None
+    def forward(x, y, positions=None, opens=None, reduction="none"):
+        assert reduction == "none" and opens is None
         return None, F.cross_entropy(hf(x).logits.float().flatten(0, 1), y.flatten(), reduction="none").view_as(y)
     return forward
 

@@ -21,13 +21,13 @@ SPIKE_STEP = int(os.environ.get("SPIKE_STEP", 0))
 
 
 def disturbed_micro_batches(self, step):
-    for x, y in real_micro_batches(self, step):
+    for x, y, opens in real_micro_batches(self, step):
         if LATE:
             time.sleep(float(os.environ["LATE_SECONDS"]))
         if step == SPIKE_STEP:
             noise = torch.randint(0, 256, (x.shape[0], x.shape[1] + 1), generator=torch.Generator().manual_seed(step))
             x, y = noise[:, :-1].to(x.device), noise[:, 1:].to(y.device)
-        yield x, y
+        yield x, y, opens
 
 
 loader.BatchLoader.micro_batches = disturbed_micro_batches

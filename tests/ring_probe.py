@@ -46,7 +46,7 @@ def probe() -> None:
             for row, at in enumerate(opens_at):
                 opens[row, at] = True
             docs = RowDocuments(group, cp, "ring", T, torch.device("cpu"))(opens[:, mine])
-            assert torch.equal(docs.ids, Documents.of_rows(opens).ids)  # the whole rows' documents, gathered
+            assert (docs.ids == Documents.of_rows(opens).ids).all()  # the whole rows' documents, gathered
         whole = [t.clone().requires_grad_() for t in (q, k, v)]
         expected = (F.scaled_dot_product_attention(*whole, is_causal=True, enable_gqa=heads != kv_heads) if docs is None
                     else document_attention(*whole, 0.0, heads != kv_heads, docs))

@@ -147,9 +147,9 @@ def test_llmc_shards_train_on_the_same_stream_as_one_file(prepared_and_shards):
     loaders = [BatchLoader({"data": (path, m)}, 32, 16, 4, 0, 1, 5, torch.device("cpu"))
                for path, m in ((prepared, meta), (shards, shard_meta))]
     for step in range(1, 30):  # 16 windows a step: many cross the files' boundaries
-        one, cut = (torch.cat([x for x, _ in loader.micro_batches(step)]) for loader in loaders)
+        one, cut = (torch.cat([x for x, _, _ in loader.micro_batches(step)]) for loader in loaders)
         assert torch.equal(one, cut)
-    one, cut = (torch.cat([x for _, x, _, _ in loader.val_batches(8)]) for loader in loaders)
+    one, cut = (torch.cat([x for _, x, _, _, _ in loader.val_batches(8)]) for loader in loaders)
     assert torch.equal(one, cut)
 
 

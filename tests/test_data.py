@@ -60,7 +60,7 @@ def test_nanogpt_raw_bins_are_used_as_they_are(tmp_path):
     meta = data.prepare_data(str(tmp_path / "d"), None, "gpt2")
     assert meta == {"tokenizer": "gpt2", "vocab_size": None, "dtype": "uint16"}
     loader = BatchLoader({"data": (str(tmp_path / "d"), meta)}, 8, 4, 2, 0, 1, 0, torch.device("cpu"))
-    x, y = next(loader.micro_batches(1))
+    x, y, opens = next(loader.micro_batches(1))
     assert torch.equal(y[:, :-1], x[:, 1:]) and torch.equal(x[:, 1] - x[:, 0], torch.ones(2, dtype=torch.long))
 
 
@@ -73,7 +73,7 @@ def global_batch(data_path, meta, step, dp_size, micro_batch, train_batch=8):
     rows = []
     for rank in range(dp_size):
         loader = BatchLoader({"data": (data_path, meta)}, 16, train_batch, micro_batch, rank, dp_size, 3, torch.device("cpu"))
-        rows += [x for x, _ in loader.micro_batches(step)]
+        rows += [x for x, _, _ in loader.micro_batches(step)]
     return torch.cat(rows)
 
 
@@ -93,7 +93,7 @@ def test_val_windows_cover_the_same_tokens_for_any_world_size(tmp_path):
             loader = BatchLoader({"data": (str(tmp_path / "d"), meta)}, 16, 8, 2, rank, dp_size, 3, torch.device("cpu"))
             batches = list(loader.val_batches(10))
             assert len(batches) == -(-(-(-10 // dp_size)) // 2)  # same count on every rank
-            seen += [x[i] for _, x, _, w in batches for i in range(len(w)) if w[i] == 1]
+            seen += [x[i] for _, x, _, _, w in batches for i in range(len(w)) if w[i] == 1]
         val = np.memmap(tmp_path / "d" / "val.bin", dtype=np.uint16, mode="r")
         expected = [tuple(val[i * 16:i * 16 + 16].tolist()) for i in range(10)]
         assert sorted(tuple(x.tolist()) for x in seen) == sorted(expected)
@@ -110,7 +110,7 @@ def test_one_ahead_loading_yields_the_same_batches_and_reads_each_once(tmp_path)
     host_rows = ahead._host_rows
     ahead._host_rows = lambda split, starts: reads.append(tuple(starts)) or host_rows(split, starts)
     for step in (1, 2, 3, 7, 8):
-        for (x0, y0), (x1, y1) in zip(plain.micro_batches(step), ahead.micro_batches(step), strict=True):
+        for (x0, y0, _), (x1, y1, _) in zip(plain.micro_batches(step), ahead.micro_batches(step), strict=True):
             assert torch.equal(x0, x1) and torch.equal(y0, y1)
     # 5 steps of 2 micro-batches, one read ahead at the end, one wasted by the jump from 3 to 7
     assert len(reads) == 5 * 2 + 1 + 1
@@ -138,7 +138,7 @@ def test_aligned_rows_start_at_documents_and_depend_on_seed_and_step_alone(mixtu
     def global_aligned(step, dp_size, micro):
         loaders = [BatchLoader(sources, 16, 8, micro, rank, dp_size, 3, torch.device("cpu"), segment, align_rows=True)
                    for rank in range(dp_size)]
-        return torch.cat([x for loader in loaders for x, _ in loader.micro_batches(step)])
+        return torch.cat([x for loader in loaders for x, _, _ in loader.micro_batches(step)])
 
     reference = global_aligned(5, 1, 8)
     assert (reference[:, 0] == 0).all()  # each row starts at a separator (bytes: 0), then a document

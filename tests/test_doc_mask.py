@@ -24,7 +24,7 @@ def test_each_document_is_computed_as_it_would_be_alone(arch):
                           n_embd=32, block_size=48)).eval()
     row = torch.randint(1, 64, (2, 48))
     row[:, [10, 11, 30]] = 0  # separators: documents [0, 10), [10, 11), [11, 30), [30, 48), each opened by one
-    masked, plain = model(row, separator=0)[0], model(row)[0]
+    masked, plain = model(row, opens=row == 0)[0], model(row)[0]
     bounds = [0, 10, 11, 30, 48]
     for first, end in zip(bounds, bounds[1:]):  # alone, at the same positions of a row
         alone = model(row[:, first:end], positions=torch.arange(first, end))[0]

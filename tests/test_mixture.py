@@ -116,7 +116,7 @@ def test_llama3_shards_read_as_they_are_and_mix_only_with_their_vocabulary(tmp_p
     meta = data.prepare_data(str(tmp_path / "llama3"), None, "gpt2")
     assert (meta["tokenizer"], meta["vocab_size"], meta["dtype"]) == ("llama3", 128256, "uint32")
     loader = BatchLoader({"data": (str(tmp_path / "llama3"), meta)}, 32, 4, 4, 0, 1, 0, torch.device("cpu"))
-    (_, x, y, _), *_ = loader.val_batches(4)
+    (_, x, y, _, _), *_ = loader.val_batches(4)
     assert torch.equal(x[0], torch.from_numpy(tokens[:32].astype(np.int64)))  # tokens past 65535 intact
     both = data.prepare_sources({"a": str(tmp_path / "gpt2a"), "b": str(tmp_path / "gpt2b")}, "", None, "gpt2")
     assert list(both) == ["a", "b"]

@@ -94,17 +94,22 @@ class BatchLoader:
     Context parallelism (cp_size ranks per row): a rank reads only its pieces of each row, (start,
     length) each (context_parallel.row_pieces: one slice, or two chunks for the ring), each with the
     token after it (its last target); `positions` says where its columns sit in the row.
+
+    doc_mask: each batch comes with `opens`, a host array (rows, tokens), True at its inputs' tokens
+    that open a document (the separator), found in the host's copy of the rows: where the documents
+    lie is known without reading the device back. Without doc_mask, opens is None.
     """
 
     def __init__(self, sources: dict[str, tuple[str, dict]], block_size: int, train_batch: int, micro_batch: int,
                  dp_rank: int, dp_size: int, seed: int, device: torch.device, segment: Segment | None = None,
-                 align_rows: bool = False, pieces: list[tuple[int, int]] | None = None):
+                 align_rows: bool = False, pieces: list[tuple[int, int]] | None = None, doc_mask: bool = False):
         self.block_size, self.train_batch, self.micro_batch = block_size, train_batch, micro_batch
         self.dp_rank, self.dp_size, self.seed, self.device = dp_rank, dp_size, seed, device
         self.pieces = pieces or [(0, block_size)]
         self.positions = positions_of(self.pieces).to(device)
         self.cp_size = block_size // len(self.positions)  # ranks that share each row
         self.separator = next(iter(sources.values()))[1].get("eot_token")  # between documents (None: not known)
+        self.doc_mask = doc_mask
         self.names = list(sources)
         self.splits = {split: [open_split(path, meta, split) for path, meta in sources.values()]
                        for split in ("train", "val")}
@@ -136,9 +141,8 @@ class BatchLoader:
         return torch.from_numpy(np.stack([[np.concatenate([w[:-1] for w in row]), np.concatenate([w[1:] for w in row])]
                                           for row in windows]).astype(np.int64))
 
-    def _rows(self, split: str, chunk: tuple[np.ndarray, np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
-        xy = self._finish_copy(self._start_copy(self._host_rows(split, chunk)))
-        return xy[:, 0], xy[:, 1]
+    def _rows(self, split: str, chunk: tuple[np.ndarray, np.ndarray]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        return self._finish_copy(self._start_copy(self._host_rows(split, chunk)))
 
     def _my_chunks(self, step: int) -> list[tuple[np.ndarray, np.ndarray]]:
         """This rank's share of step `step`'s rows, (sources, start offsets), cut into micro-batches."""
@@ -149,7 +153,7 @@ class BatchLoader:
         return [(sources[i:i + self.micro_batch], starts[i:i + self.micro_batch]) for i in range(0, share, self.micro_batch)]
 
     def micro_batches(self, step: int):
-        """Yield (x, y) micro-batches of this rank's share of step `step`'s global batch."""
+        """Yield (x, y, opens) micro-batches of this rank's share of step `step`'s global batch."""
         chunks = self._my_chunks(step)
         if not self.one_ahead:
             for chunk in chunks:
@@ -164,29 +168,31 @@ class BatchLoader:
                 self._ahead = (key, self._start_copy(self._host_rows("train", chunk)))
             copy = self._ahead[1]
             self._ahead = (following, self._start_copy(self._host_rows("train", following_chunk)))
-            xy = self._finish_copy(copy)
-            yield xy[:, 0], xy[:, 1]
+            yield self._finish_copy(copy)
 
     def _start_copy(self, xy: torch.Tensor):
-        """The host rows on their way to the device: on GPU through pinned memory, on a side stream."""
+        """The host rows on their way to the device: on GPU through pinned memory, on a side stream;
+        with doc_mask, the tokens that open documents found in the host's copy meanwhile."""
+        opens = xy[:, 0].numpy() == self.separator if self.doc_mask else None
         if self.device.type != "cuda":
-            return xy.to(self.device), None  # on CPU: xy itself
+            return xy.to(self.device), None, opens  # on CPU: xy itself
         with torch.cuda.stream(self._copy_stream):
             xy = xy.pin_memory().to(self.device, non_blocking=True)
             done = torch.cuda.Event()
             done.record()
-        return xy, done
+        return xy, done, opens
 
-    def _finish_copy(self, copy) -> torch.Tensor:
-        xy, done = copy
+    def _finish_copy(self, copy) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(x, y, opens) once the copy is done, for the compute stream."""
+        xy, done, opens = copy
         if done is not None:
             compute = torch.cuda.current_stream(self.device)
             compute.wait_event(done)
             xy.record_stream(compute)  # allocated on the copy stream, used (and freed) on this one
-        return xy
+        return xy[:, 0], xy[:, 1], opens
 
     def val_batches(self, n_windows: int):
-        """Yield (source, x, y, weight) over the first n_windows consecutive val windows of each source
+        """Yield (source, x, y, opens, weight) over the first n_windows consecutive val windows of each source
         (a mixture's each: what the same eval of that source alone gives, whatever the weights).
 
         Windows are dealt round-robin to ranks; every rank yields the same number of micro-batches
@@ -201,8 +207,8 @@ class BatchLoader:
                 ids = mine[i * self.micro_batch:(i + 1) * self.micro_batch]
                 weight = (torch.arange(self.micro_batch, device=self.device) < len(ids)).float()  # made on the device
                 ids = np.concatenate([ids, np.zeros(self.micro_batch - len(ids), dtype=ids.dtype)])
-                x, y = self._rows("val", (np.full(len(ids), k), ids * self.block_size))
-                yield k, x, y, weight
+                x, y, opens = self._rows("val", (np.full(len(ids), k), ids * self.block_size))
+                yield k, x, y, opens, weight
 
     def cropped(self) -> dict[str, float]:
         """align_rows: each source's share of train tokens no row reads."""

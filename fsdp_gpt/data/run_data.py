@@ -58,7 +58,7 @@ def open_loader(cfg, sources: dict, topo: Topology, train_state: dict, step: int
             print(f"note: {note}", flush=True)
     loader = BatchLoader(sources, cfg.block_size, cfg.train_batch, cfg.micro_batch, topo.dp_rank, topo.dp_size,
                          cfg.seed, topo.device, segment, cfg.align_rows,
-                         row_pieces(cfg.cp_mode, topo.cp_rank, topo.cp_size, cfg.block_size))
+                         row_pieces(cfg.cp_mode, topo.cp_rank, topo.cp_size, cfg.block_size), cfg.doc_mask)
     if topo.is_main and cfg.align_rows:
         cropped = ", ".join(f"{name} {share:.1%}" for name, share in loader.cropped().items())
         print(f"note: align_rows: rows start at documents; train tokens never read (cropped): {cropped}", flush=True)

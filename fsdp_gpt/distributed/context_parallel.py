@@ -98,6 +98,7 @@ class RowDocuments:
         self.order = torch.cat([row_positions(mode, rank, cp_size, block_size) for rank in range(cp_size)]).to(device)
 
     def __call__(self, opens: torch.Tensor) -> Documents:
+        opens = torch.as_tensor(opens).to(self.order.device)  # the loader's host array: the collective's device
         pieces = [torch.empty_like(opens, dtype=torch.uint8) for _ in range(self.cp)]
         dist.all_gather(pieces, opens.to(torch.uint8), group=self.group)
         rows = torch.empty(opens.shape[0], len(self.order), dtype=torch.uint8, device=opens.device)

@@ -157,7 +157,7 @@ class RingAttention:
         if self._plan[0] is not docs or self._plan[1] is None:
             chunk, mine = len(self.positions[self.rank]) // 2, self.positions[self.rank]
             own = None if docs is None else Documents(docs.ids[:, mine])
-            ids = None if docs is None else docs.ids.numpy()
+            ids = None if docs is None else docs.ids
             steps = []
             for source, causal, (q0, q1, k0, k1) in _steps(self.rank, self.cp, chunk):
                 if docs is None:

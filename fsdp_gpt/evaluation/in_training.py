@@ -31,7 +31,7 @@ def evaluate(model, gpt: GPT, loader: BatchLoader, cfg, tokenizer, mc_sets: dict
     `compute`: the context training's forwards run in."""
     model.eval()
     with compute():
-        total = val_loss_sums(model, loader, cfg.eval_iters * cfg.train_batch, cfg.doc_mask)
+        total = val_loss_sums(model, loader, cfg.eval_iters * cfg.train_batch)
         dist.all_reduce(total)
         mc = {}
         with whole_rows(gpt):  # items and samples of any length: every rank computes its own alone

@@ -11,15 +11,14 @@ from fsdp_gpt.data.loader import BatchLoader
 
 
 @torch.no_grad()
-def val_loss_sums(model, loader: BatchLoader, n_windows: int, doc_mask: bool = False) -> torch.Tensor:
+def val_loss_sums(model, loader: BatchLoader, n_windows: int) -> torch.Tensor:
     """(sources, 2), float64: each source's (sum of per-window mean losses, number of windows) over
     this rank's share. Under context parallelism a rank holds 1/cp_size of each window: its share of
-    the window's mean and count is 1/cp_size of its tokens'. doc_mask: attention stops at the data's
-    separator, as the run trained."""
+    the window's mean and count is 1/cp_size of its tokens'. A loader made with doc_mask hands the
+    documents' openings: attention stops at the data's separator, as the run trained."""
     total = torch.zeros(len(loader.names), 2, dtype=torch.float64, device=loader.device)
-    for k, x, y, weight in loader.val_batches(n_windows):
-        _, losses = model(x, y, positions=loader.positions, separator=loader.separator if doc_mask else None,
-                          reduction="none")
+    for k, x, y, opens, weight in loader.val_batches(n_windows):
+        _, losses = model(x, y, positions=loader.positions, opens=opens, reduction="none")
         per_window = losses.mean(1)
         total[k] += torch.stack([(per_window * weight).sum(), weight.sum()]).double() / loader.cp_size
     return total
