@@ -51,7 +51,10 @@ class ChunkedHeadLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, weight, targets, softcap, chunk_fn):
-        flat_h, flat_targets = h.flatten(0, -2), targets.flatten()
+        # in the compute dtype: autocast's (cast once here, not once a chunk), else the parameters'
+        device = h.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+        flat_h, flat_targets, cast_weight = h.flatten(0, -2).to(dtype), targets.flatten(), weight.to(dtype)
         rows = flat_h.shape[0]
         grads = any(ctx.needs_input_grad[:2])
         loss = torch.zeros((), device=h.device, dtype=torch.float32)
@@ -59,7 +62,7 @@ class ChunkedHeadLoss(torch.autograd.Function):
         grad_weight = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if grads else None
         chunks = chunk_count(rows, weight.shape[0], h.device.type)
         for piece, (h_c, t_c) in enumerate(zip(flat_h.chunk(chunks), flat_targets.chunk(chunks))):
-            loss_c, grad_h_c, grad_weight_c = chunk_fn(h_c, weight, t_c, softcap, grads)
+            loss_c, grad_h_c, grad_weight_c = chunk_fn(h_c, cast_weight, t_c, softcap, grads)
             loss += loss_c.sum()
             if grads:
                 grad_h[piece * h_c.shape[0]:(piece + 1) * h_c.shape[0]] = grad_h_c
