@@ -75,7 +75,7 @@ ROWS = [
         LLAMA124 + ["--moe_experts=8", "--moe_top_k=2", "--moe_bias_rate=0.001"], "llama124"),
     Row("llama1b_ref", "Llama 3.2 1B's shape at 2,048 tokens, plain loop", LLAMA1B, plain=True),
     Row("llama1b", "config/llama_1B.yaml: one process unwrapped, compiled, micro_batch 8 x 1", LLAMA1B,
-        "llama1b_ref", trace=True),
+        "llama1b_ref"),
     Row("llama1b_fsdp", "llama1b, force_fsdp (FULL_SHARD)", LLAMA1B + ["--force_fsdp=true"], "llama1b_ref"),
     Row("llama1b_ac", "llama1b with activation checkpointing, 16 rows a micro-batch and a step",
         LLAMA1B + ["--activation_checkpointing=true", "--train_batch=16", "--micro_batch=16"], "llama1b_ref"),

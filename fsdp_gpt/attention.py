@@ -134,28 +134,46 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropou
 aten = torch.ops.aten
 
 
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """(B, heads, T, D) -> (B * T, heads, D): the rows' positions laid end to end, as varlen takes them."""
+    B, heads, T, D = t.shape
+    return t.transpose(1, 2).reshape(B * T, heads, D)
+
+
+def varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, dropout_p: float):
+    """The flash kernel's variable-length form, causal within each document (cu_seqlens: their
+    bounds in the rows laid end to end): one call for all of them, nothing gathered or padded. ->
+    the output like q, its log-sum-exp (B, heads, T) in fp32, and what the backward needs."""
+    B, H, T, D = q.shape
+    out, lse, rng_state, unused, _ = aten._flash_attention_forward(_flat(q), _flat(k), _flat(v), cu_seqlens, cu_seqlens,
+                                                                   T, T, dropout_p, True, False)
+    return out.view(B, T, H, D).transpose(1, 2), lse.view(H, B, T).transpose(0, 1), (rng_state, unused)
+
+
+def varlen_backward(dout, q, k, v, out, lse, cu_seqlens: torch.Tensor, dropout_p: float, aux) -> list[torch.Tensor]:
+    """dq, dk, dv of varlen_forward, given the output and log-sum-exp to take (a ring's merged ones)."""
+    B, H, T, D = q.shape
+    grads = aten._flash_attention_backward(_flat(dout), _flat(q), _flat(k), _flat(v), _flat(out),
+                                           lse.transpose(0, 1).reshape(H, B * T), cu_seqlens, cu_seqlens, T, T,
+                                           dropout_p, True, *aux)
+    return [g.reshape(B, T, -1, D).transpose(1, 2) for g in grads]
+
+
 class VarlenAttention(torch.autograd.Function):
-    """The flash kernel's variable-length form: the rows' positions laid end to end, each document a
-    sequence of its own (cu_seqlens), causal within it; one call for all of them, nothing gathered
-    or padded, and only each document's own causal work done."""
+    """doc_mask on CUDA's flash kernel: every document of every row in one varlen call, and only each
+    document's own causal work done."""
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens, dropout_p):
-        B, H, T, D = q.shape
-        flat = [t.transpose(1, 2).reshape(B * T, t.shape[1], D) for t in (q, k, v)]  # (B*T, heads, D)
-        out, lse, rng_state, unused, _ = aten._flash_attention_forward(*flat, cu_seqlens, cu_seqlens, T, T, dropout_p,
-                                                                       True, False)
-        ctx.save_for_backward(*flat, out, lse, cu_seqlens, rng_state, unused)
+        out, lse, aux = varlen_forward(q, k, v, cu_seqlens, dropout_p)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, *aux)
         ctx.dropout_p = dropout_p
-        return out.view(B, T, H, D).transpose(1, 2)
+        return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, cu_seqlens, rng_state, unused = ctx.saved_tensors
-        B, H, T, D = dout.shape
-        grads = aten._flash_attention_backward(dout.transpose(1, 2).reshape(B * T, H, D), q, k, v, out, lse,
-                                               cu_seqlens, cu_seqlens, T, T, ctx.dropout_p, True, rng_state, unused)
-        return *(g.reshape(B, T, -1, D).transpose(1, 2) for g in grads), None, None
+        q, k, v, out, lse, cu_seqlens, *aux = ctx.saved_tensors
+        return *varlen_backward(dout, q, k, v, out, lse, cu_seqlens, ctx.dropout_p, aux), None, None
 
 
 def grouped_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, enable_gqa: bool,

@@ -8,7 +8,8 @@ computed in fp32 (test_ring_attention.py on the CPU; test_gpu.py runs it on CUDA
   log-sum-exp; then each block's backward run with the merged output and log-sum-exp. Together:
   causal attention over the row and its gradients (dq summed over the blocks).
 - "per-document calls": attention.grouped_document_attention, a causal SDPA call per group of documents.
-- "varlen call" (CUDA only): attention.VarlenAttention, the flash kernel's one call over every document.
+- "varlen call" (CUDA only): attention.VarlenAttention, the flash kernel's one call over every document;
+  "varlen log-sum-exp": its log-sum-exp (what the ring merges by) against the dense one.
 - "ring kernels, documents": the ring of one rank (its kernels and per-document rectangles).
 Grouped-query heads (4 over 2) throughout.
 """
@@ -21,7 +22,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from fsdp_gpt.distributed.ring_attention import KERNELS, RingAttention, _fold, _merge, _repeat  # noqa: E402
-from fsdp_gpt.attention import Documents, VarlenAttention, grouped_document_attention, varlen_runs  # noqa: E402
+from fsdp_gpt.attention import (Documents, VarlenAttention, grouped_document_attention, varlen_forward,  # noqa: E402
+                                 varlen_runs)
 
 B, H, KV, T, D = 2, 4, 2, 256, 64
 
@@ -94,6 +96,9 @@ def largest_differences(device: str, dtype: torch.dtype) -> dict[str, float]:
     if varlen_runs(q):
         got["varlen call"] = (with_autograd(lambda *t: VarlenAttention.apply(*t, docs.sequences(q.device), 0.0), q, k, v,
                                             dout), expected)
+        scores = (q.float() @ k.float().repeat_interleave(H // KV, dim=1).transpose(-1, -2)) / D ** 0.5
+        dense_lse = scores.masked_fill(~documents.unsqueeze(1), float("-inf")).logsumexp(-1)
+        got["varlen log-sum-exp"] = ([varlen_forward(q, k, v, docs.sequences(q.device), 0.0)[1]], [dense_lse])
     ring = RingAttention(None, 0, [torch.arange(T)])
     got["ring kernels, documents"] = (with_autograd(lambda *t: ring(*t, 0.0, True, docs), q, k, v, dout), expected)
     # relative to each tensor's largest entry: bf16 rounds at ~4e-3 of a value

@@ -11,8 +11,8 @@ gives every rank the same causal work at every step:
     chunk lies before both of the block's).
 After step 0, each step is C x 2C query-key pairs on every rank (C: a chunk's tokens).
 doc_mask: step 0 is causal attention within each document of the rank's own tokens, computed as
-attention.document_attention computes it (documents in groups of like length, right-padded, one kernel
-call a group); after it, each rectangle is cut into one per document (a document's queries against
+attention.document_attention computes it (on CUDA's flash kernel one varlen call, elsewhere documents
+in groups of like length, right-padded, one kernel call a group); after it, each rectangle is cut into one per document (a document's queries against
 the same document's keys: at most one document spans the gap between two chunks, so at most two
 per row and step), each computed alone; a query none of whose keys is in a step's block sits that
 step out. No mask is built.
@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from fsdp_gpt.attention import DocumentBuckets, Documents, by_position
+from fsdp_gpt.attention import DocumentBuckets, Documents, by_position, varlen_backward, varlen_forward, varlen_runs
 
 aten = torch.ops.aten
 
@@ -132,6 +132,20 @@ def _own_documents_backward(run_backward, dout, q, k, v, out, lse, groups: int, 
     return [buckets.regroup(kept, q.shape[0]) for kept in grads]
 
 
+def _own_forward(run, q, k, v, groups: int, own: Documents):
+    """Step 0 under doc_mask: on CUDA's flash kernel one varlen call over the rank's own documents,
+    elsewhere a call per group of like length."""
+    if varlen_runs(q):
+        return varlen_forward(q, k, v, own.sequences(q.device), 0.0)
+    return _own_documents(run, q, k, v, groups, own.buckets(q.device))
+
+
+def _own_backward(run_backward, dout, q, k, v, out, lse, groups: int, own: Documents, aux):
+    if varlen_runs(q):
+        return varlen_backward(dout, q, k, v, out, lse, own.sequences(q.device), 0.0, aux)
+    return _own_documents_backward(run_backward, dout, q, k, v, out, lse, groups, own.buckets(q.device), aux)
+
+
 def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
     """out, lse (views of the running fp32 result, updated in place) merged with a block's, in the
     sigmoid form: stable wherever the two log-sum-exps lie (no exp of a difference)."""
@@ -204,7 +218,7 @@ class _Ring(torch.autograd.Function):
         for step, (causal, rects) in enumerate(plan):
             incoming = ring.pass_on(kv) if step < ring.cp - 1 else None  # the next block travels meanwhile
             if step == 0 and own is not None:
-                own_out, own_lse, own_auxes = _own_documents(run, q, k, v, groups, own.buckets(q.device))
+                own_out, own_lse, own_auxes = _own_forward(run, q, k, v, groups, own)
                 out.copy_(own_out)
                 lse.copy_(own_lse)
                 auxes.append(own_auxes)
@@ -236,8 +250,7 @@ class _Ring(torch.autograd.Function):
         for step, (causal, rects) in enumerate(ctx.plan):
             incoming = ring.pass_on(kv) if step < ring.cp - 1 else None
             if step == 0 and ctx.own is not None:
-                own = _own_documents_backward(run_backward, dout, q, k, v, out, lse, groups, ctx.own.buckets(q.device),
-                                              next(auxes))
+                own = _own_backward(run_backward, dout, q, k, v, out, lse, groups, ctx.own, next(auxes))
                 dq += own[0]
                 dkv[0] += own[1]
                 dkv[1] += own[2]
