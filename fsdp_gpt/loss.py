@@ -58,7 +58,8 @@ class ChunkedHeadLoss(torch.autograd.Function):
     def forward(ctx, h, weight, targets, softcap, chunk_fn):
         # in the compute dtype: autocast's (cast once here, not once a chunk), else the parameters'
         device = h.device.type
-        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+        autocast = device != "meta" and torch.is_autocast_enabled(device)  # (meta: the FLOP counter's)
+        dtype = torch.get_autocast_dtype(device) if autocast else weight.dtype
         flat_h, flat_targets, cast_weight = h.flatten(0, -2).to(dtype), targets.flatten(), weight.to(dtype)
         rows = flat_h.shape[0]
         grads = any(ctx.needs_input_grad[:2])
