@@ -211,17 +211,23 @@ def named_paths(paths: list[str]) -> dict[str, str]:
     return {os.path.basename(path).split(".")[0]: path for path in paths}
 
 
-def validate(cfg: TrainConfig) -> None:
-    """Checks that need no knowledge of the launch (world size checks live with the mesh)."""
-    def require(ok: bool, message: str):
-        if not ok:
-            raise UserError(message)
+def require(ok: bool, message: str) -> None:
+    if not ok:
+        raise UserError(message)
 
-    for key in ("block_size", "n_layer", "n_head", "n_embd", "train_batch", "micro_batch",
-                "log_interval", "eval_interval", "eval_iters", "save_interval"):
+
+def validate(cfg: TrainConfig) -> None:
+    """Checks that need no knowledge of the launch (world size checks live with the mesh). With
+    init_from, the model's keys are the folder's: validate_run when the config is read, validate_model
+    once the folder has set them (hf_format.define_model)."""
+    validate_run(cfg)
+    validate_model(cfg)
+
+
+def validate_model(cfg: TrainConfig) -> None:
+    """The model's keys, and the others' checks that read them."""
+    for key in ("n_layer", "n_head", "n_embd"):
         require(getattr(cfg, key) > 0, f"config key '{key}' must be positive, got {getattr(cfg, key)}")
-    require(cfg.max_iters >= 0, f"max_iters must be 0 or more, got {cfg.max_iters}")
-    require(cfg.sample_tokens >= 0, f"sample_tokens must be 0 or more, got {cfg.sample_tokens}")
     require(cfg.head_dim is not None or cfg.n_embd % cfg.n_head == 0,
             f"n_head={cfg.n_head} must divide n_embd={cfg.n_embd}: pick n_embd as a multiple of n_head")
     require(cfg.head_dim is None or (cfg.head_dim > 0 and cfg.arch == "llama"),
@@ -242,14 +248,23 @@ def validate(cfg: TrainConfig) -> None:
     check_rope_scaling(cfg.rope_scaling, "rope_scaling")
     require(cfg.ffn_hidden is None or cfg.ffn_hidden > 0, f"ffn_hidden must be positive, got {cfg.ffn_hidden}")
     require(0 <= cfg.value_embeds <= cfg.n_layer, f"value_embeds must be 0 to n_layer={cfg.n_layer}, got {cfg.value_embeds}")
-    check_moe(cfg)
     require(cfg.mlp is None or cfg.mlp in MLPS, f"mlp '{cfg.mlp}' is not one of {', '.join(MLPS)}")
     require(cfg.logit_softcap is None or cfg.logit_softcap > 0,
             f"logit_softcap must be positive (or null: off), got {cfg.logit_softcap}")
-    require(cfg.muon_coefficients in MUON_COEFFICIENTS,
-            f"muon_coefficients '{cfg.muon_coefficients}' is not one of {', '.join(MUON_COEFFICIENTS)}")
     if cfg.tie_embeddings is None:
         cfg.tie_embeddings = cfg.arch == "gpt2"
+    check_moe(cfg)
+    check_context_parallel(cfg)
+
+
+def validate_run(cfg: TrainConfig) -> None:
+    """The keys a Hugging Face folder never sets, as far as the process group and meshes read them."""
+    for key in ("block_size", "train_batch", "micro_batch", "log_interval", "eval_interval", "eval_iters", "save_interval"):
+        require(getattr(cfg, key) > 0, f"config key '{key}' must be positive, got {getattr(cfg, key)}")
+    require(cfg.max_iters >= 0, f"max_iters must be 0 or more, got {cfg.max_iters}")
+    require(cfg.sample_tokens >= 0, f"sample_tokens must be 0 or more, got {cfg.sample_tokens}")
+    require(cfg.muon_coefficients in MUON_COEFFICIENTS,
+            f"muon_coefficients '{cfg.muon_coefficients}' is not one of {', '.join(MUON_COEFFICIENTS)}")
     require(cfg.train_batch % cfg.micro_batch == 0,
             f"micro_batch={cfg.micro_batch} must divide train_batch={cfg.train_batch}")
     require(cfg.sharding_strategy in STRATEGIES,
@@ -260,7 +275,11 @@ def validate(cfg: TrainConfig) -> None:
             f"checkpoint_type '{cfg.checkpoint_type}' must be 'full' or 'sharded'")
     require(0.0 <= cfg.dropout < 1.0, f"dropout must be in [0, 1), got {cfg.dropout}")
     require(cfg.fsdp_size is None or cfg.fsdp_size > 0, f"fsdp_size must be positive, got {cfg.fsdp_size}")
-    check_context_parallel(cfg)
+    require(cfg.cp_size >= 1, f"cp_size must be 1 or more, got {cfg.cp_size}")
+    require(cfg.cp_mode in CP_MODES, f"cp_mode '{cfg.cp_mode}' is not one of {', '.join(CP_MODES)}")
+    require(cfg.ep_size == 1 or (cfg.ep_size > 1 and cfg.fsdp and cfg.sharding_strategy in EP_STRATEGIES),
+            f"ep_size={cfg.ep_size} needs moe_experts and FSDP with {', '.join(EP_STRATEGIES)} (DDP and NO_SHARD hold "
+            f"every weight whole on every rank): ep_size must be 1 otherwise")
     require(cfg.fsdp or not cfg.cpu_offload,
             "cpu_offload: true needs fsdp: true (DDP keeps every parameter and optimizer state on the GPU)")
     require(cfg.fsdp or not cfg.force_fsdp, "force_fsdp: true needs fsdp: true (it wraps one process in FSDP2)")
@@ -295,9 +314,8 @@ def validate(cfg: TrainConfig) -> None:
 
 def check_moe(cfg: TrainConfig) -> None:
     """The mixture's keys: built for the Llama layout's SwiGLU experts."""
-    if cfg.ep_size < 1 or (cfg.ep_size > 1 and not (cfg.moe_experts and cfg.fsdp and cfg.sharding_strategy in EP_STRATEGIES)):
-        raise UserError(f"ep_size={cfg.ep_size} needs moe_experts and FSDP with {', '.join(EP_STRATEGIES)} (DDP and "
-                        f"NO_SHARD hold every weight whole on every rank): ep_size must be 1 otherwise")
+    require(cfg.ep_size == 1 or cfg.moe_experts, f"ep_size={cfg.ep_size} splits a mixture's experts over ranks, and "
+                                                 f"moe_experts: 0 is a dense model: ep_size must be 1")
     if cfg.ep_size > 1 and cfg.reduce_dtype == "fp16":
         # torch 2.13 splits an fp16 reduction's divide factor into a pre- and a post-division and, for
         # a group of one (ep_size = the shard group), divides by the whole factor again in between
@@ -330,10 +348,6 @@ def check_context_parallel(cfg: TrainConfig) -> None:
     dtype when the model is built): Ulysses splits every row's tokens and, for attention, the heads
     over the cp_size ranks; the ring cuts each row into 2 x cp_size chunks."""
     cp = cfg.cp_size
-    if cp < 1:
-        raise UserError(f"cp_size must be 1 or more, got {cp}")
-    if cfg.cp_mode not in CP_MODES:
-        raise UserError(f"cp_mode '{cfg.cp_mode}' is not one of {', '.join(CP_MODES)}")
     if cfg.cp_mode == "ring":
         if cfg.block_size % (2 * cp):
             raise UserError(f"cp_mode: ring needs 2 x cp_size = {2 * cp} to divide block_size={cfg.block_size}: each "
