@@ -288,6 +288,7 @@ def validate_run(cfg: TrainConfig) -> None:
     require(0.0 <= cfg.muon_momentum < 1.0, f"muon_momentum must be in [0, 1), got {cfg.muon_momentum}")
     require(cfg.optimizer == "muon" or not (cfg.normuon or cfg.cautious_weight_decay),
             "normuon and cautious_weight_decay change Muon's update: set optimizer: muon (or turn them off)")
+    require(cfg.grad_clip >= 0, f"grad_clip must be 0 (no clipping) or more, got {cfg.grad_clip}")
     require(cfg.min_lr <= cfg.learning_rate,
             f"min_lr={cfg.min_lr} must not exceed learning_rate={cfg.learning_rate}")
     require(cfg.lr_schedule in LR_SCHEDULES, f"lr_schedule '{cfg.lr_schedule}' is not one of {', '.join(LR_SCHEDULES)}")
@@ -330,7 +331,9 @@ def check_moe(cfg: TrainConfig) -> None:
               (cfg.arch == "llama" and cfg.mlp in (None, "swiglu"), "MoE layers are built for arch: llama with its "
                "SwiGLU MLP (not GPT-2's layout, not mlp: gelu or relu2)"),
               (1 <= cfg.moe_top_k <= cfg.moe_experts, f"moe_top_k={cfg.moe_top_k} must be 1 to moe_experts={cfg.moe_experts}"),
-              ((cfg.moe_hidden or 1) > 0 and cfg.moe_shared >= 0, "moe_hidden must be positive and moe_shared 0 or more"),
+              ((cfg.moe_hidden is None or cfg.moe_hidden > 0) and cfg.moe_shared >= 0,
+               f"moe_hidden must be positive (null: ffn_hidden / moe_top_k), moe_shared 0 or more: got {cfg.moe_hidden}, "
+               f"{cfg.moe_shared}"),
               (0 <= cfg.moe_dense_layers < cfg.n_layer, f"moe_dense_layers must be 0 to n_layer - 1, got {cfg.moe_dense_layers}"),
               (cfg.moe_score in MOE_SCORES, f"moe_score '{cfg.moe_score}' is not one of {', '.join(MOE_SCORES)}"),
               (cfg.moe_aux_loss >= 0 and cfg.moe_bias_rate >= 0, "moe_aux_loss and moe_bias_rate must be 0 (off) or more"),

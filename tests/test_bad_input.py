@@ -61,6 +61,11 @@ def one_line(code, capsys, *phrases):
     ({"ep_size": 2}, ["ep_size=2 splits a mixture's experts over ranks, and moe_experts: 0 is a dense model"]),
     ({"ep_size": 0}, ["ep_size=0 needs moe_experts and FSDP"]),
     ({"cp_size": 0}, ["cp_size must be 1 or more, got 0"]),
+    # 0 is no width (null is the default one), and a negative clip would turn every gradient round
+    ({"arch": "llama", "moe_experts": 4, "moe_hidden": 0}, ["moe_hidden must be positive (null: ffn_hidden / moe_top_k)",
+                                                            "got 0, 0"]),
+    ({"arch": "llama", "moe_experts": 4, "moe_hidden": -64}, ["moe_hidden must be positive", "got -64, 0"]),
+    ({"grad_clip": -1.0}, ["grad_clip must be 0 (no clipping) or more, got -1.0"]),
     ({"arch": "llama", "moe_experts": 4, "ep_size": 2, "fsdp": False}, ["ep_size=2 needs moe_experts and FSDP", "DDP"]),
     ({"arch": "llama", "moe_experts": 4, "ep_size": 2, "sharding_strategy": "NO_SHARD"}, ["NO_SHARD hold every weight"]),
     ({"arch": "llama", "moe_experts": 4, "ep_size": 2}, ["ep_size=2 must divide the world size 1"]),
