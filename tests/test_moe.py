@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import fsdp_gpt.moe as moe_module
-from conftest import ROOT, checkpoint_of, evaluated, hf_val_loss, launch, launcher_once, run_trainer, scalars, tool
+from conftest import (ROOT, assert_quiet, checkpoint_of, evaluated, hf_val_loss, launch, launcher_once, run_trainer,
+                      scalars, stderr_of, tool)
 from test_bad_input import assert_one_line_error
 from fsdp_gpt.config import UserError
 from fsdp_gpt.hf_format import hf_config, hf_model_keys, to_hf
@@ -208,6 +209,7 @@ def test_n_ranks_train_the_run_of_one_process(reference, layout, runs):
     with open(os.path.join(reference, "stdout.txt")) as f:
         printed = f.read()
     assert "active per token" in printed and "experts busiest" in printed
+    assert_quiet(stderr_of(got))  # no torch warning: the gradient norm over two meshes takes one all-reduce
 
 
 @pytest.mark.slow
