@@ -277,9 +277,10 @@ def validate_run(cfg: TrainConfig) -> None:
     require(cfg.fsdp_size is None or cfg.fsdp_size > 0, f"fsdp_size must be positive, got {cfg.fsdp_size}")
     require(cfg.cp_size >= 1, f"cp_size must be 1 or more, got {cfg.cp_size}")
     require(cfg.cp_mode in CP_MODES, f"cp_mode '{cfg.cp_mode}' is not one of {', '.join(CP_MODES)}")
-    require(cfg.ep_size == 1 or (cfg.ep_size > 1 and cfg.fsdp and cfg.sharding_strategy in EP_STRATEGIES),
-            f"ep_size={cfg.ep_size} needs moe_experts and FSDP with {', '.join(EP_STRATEGIES)} (DDP and NO_SHARD hold "
-            f"every weight whole on every rank): ep_size must be 1 otherwise")
+    require(cfg.ep_size >= 1, f"ep_size must be 1 or more, got {cfg.ep_size}")
+    require(cfg.ep_size == 1 or (cfg.fsdp and cfg.sharding_strategy in EP_STRATEGIES),
+            f"ep_size={cfg.ep_size} needs FSDP with {', '.join(EP_STRATEGIES)} (DDP and NO_SHARD hold every weight "
+            f"whole on every rank): ep_size must be 1 otherwise")
     require(cfg.fsdp or not cfg.cpu_offload,
             "cpu_offload: true needs fsdp: true (DDP keeps every parameter and optimizer state on the GPU)")
     require(cfg.fsdp or not cfg.force_fsdp, "force_fsdp: true needs fsdp: true (it wraps one process in FSDP2)")
