@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_gpt.checkpoint.fsdp_ckpt import CheckpointManager
-from fsdp_gpt.config import UserError, to_yaml, validate
+from fsdp_gpt.config import UserError, to_yaml
 from fsdp_gpt.config_parse import parse_args
 from fsdp_gpt.config_help import help_text
 from fsdp_gpt.data.loader import BatchLoader
@@ -111,7 +111,7 @@ def train(cfg) -> int:
     stop = StopRequest()  # first: a preemption or Ctrl-C during start-up still ends with a checkpoint
     topo = init_distributed(cfg)
     if cfg.init_from:  # the folder defines the model (and the tokenizer, unless one is named)
-        agree(lambda: (define_model(cfg), validate(cfg)))
+        agree(lambda: define_model(cfg))
     rank, device = topo.rank, topo.device
     accum_steps = accumulation_steps(cfg, topo)
     dtype = compute_dtype(cfg.dtype, device)

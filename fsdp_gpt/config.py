@@ -214,17 +214,23 @@ def named_paths(paths: list[str]) -> dict[str, str]:
     return {os.path.basename(path).split(".")[0]: path for path in paths}
 
 
-def validate(cfg: TrainConfig) -> None:
-    """Checks that need no knowledge of the launch (world size checks live with the mesh)."""
-    def require(ok: bool, message: str):
-        if not ok:
-            raise UserError(message)
+def require(ok: bool, message: str) -> None:
+    if not ok:
+        raise UserError(message)
 
-    for key in ("block_size", "n_layer", "n_head", "n_embd", "train_batch", "micro_batch",
-                "log_interval", "eval_interval", "eval_iters", "save_interval"):
+
+def validate(cfg: TrainConfig) -> None:
+    """Checks that need no knowledge of the launch (world size checks live with the mesh). With
+    init_from, the model's keys are the folder's: validate_run when the config is read, validate_model
+    once the folder has set them (hf_format.define_model)."""
+    validate_run(cfg)
+    validate_model(cfg)
+
+
+def validate_model(cfg: TrainConfig) -> None:
+    """The model's keys, and the others' checks that read them."""
+    for key in ("n_layer", "n_head", "n_embd"):
         require(getattr(cfg, key) > 0, f"config key '{key}' must be positive, got {getattr(cfg, key)}")
-    require(cfg.max_iters >= 0, f"max_iters must be 0 or more, got {cfg.max_iters}")
-    require(cfg.sample_tokens >= 0, f"sample_tokens must be 0 or more, got {cfg.sample_tokens}")
     require(cfg.head_dim is not None or cfg.n_embd % cfg.n_head == 0,
             f"n_head={cfg.n_head} must divide n_embd={cfg.n_embd}: pick n_embd as a multiple of n_head")
     require(cfg.head_dim is None or (cfg.head_dim > 0 and cfg.arch == "llama"),
@@ -245,14 +251,23 @@ def validate(cfg: TrainConfig) -> None:
     check_rope_scaling(cfg.rope_scaling, "rope_scaling")
     require(cfg.ffn_hidden is None or cfg.ffn_hidden > 0, f"ffn_hidden must be positive, got {cfg.ffn_hidden}")
     require(0 <= cfg.value_embeds <= cfg.n_layer, f"value_embeds must be 0 to n_layer={cfg.n_layer}, got {cfg.value_embeds}")
-    check_moe(cfg)
     require(cfg.mlp is None or cfg.mlp in MLPS, f"mlp '{cfg.mlp}' is not one of {', '.join(MLPS)}")
     require(cfg.logit_softcap is None or cfg.logit_softcap > 0,
             f"logit_softcap must be positive (or null: off), got {cfg.logit_softcap}")
-    require(cfg.muon_coefficients in MUON_COEFFICIENTS,
-            f"muon_coefficients '{cfg.muon_coefficients}' is not one of {', '.join(MUON_COEFFICIENTS)}")
     if cfg.tie_embeddings is None:
         cfg.tie_embeddings = cfg.arch == "gpt2"
+    check_moe(cfg)
+    check_context_parallel(cfg)
+
+
+def validate_run(cfg: TrainConfig) -> None:
+    """The keys a Hugging Face folder never sets, as far as the process group and meshes read them."""
+    for key in ("block_size", "train_batch", "micro_batch", "log_interval", "eval_interval", "eval_iters", "save_interval"):
+        require(getattr(cfg, key) > 0, f"config key '{key}' must be positive, got {getattr(cfg, key)}")
+    require(cfg.max_iters >= 0, f"max_iters must be 0 or more, got {cfg.max_iters}")
+    require(cfg.sample_tokens >= 0, f"sample_tokens must be 0 or more, got {cfg.sample_tokens}")
+    require(cfg.muon_coefficients in MUON_COEFFICIENTS,
+            f"muon_coefficients '{cfg.muon_coefficients}' is not one of {', '.join(MUON_COEFFICIENTS)}")
     require(cfg.train_batch % cfg.micro_batch == 0,
             f"micro_batch={cfg.micro_batch} must divide train_batch={cfg.train_batch}")
     require(cfg.sharding_strategy in STRATEGIES,
@@ -264,7 +279,12 @@ def validate(cfg: TrainConfig) -> None:
             f"checkpoint_type '{cfg.checkpoint_type}' must be 'full' or 'sharded'")
     require(0.0 <= cfg.dropout < 1.0, f"dropout must be in [0, 1), got {cfg.dropout}")
     require(cfg.fsdp_size is None or cfg.fsdp_size > 0, f"fsdp_size must be positive, got {cfg.fsdp_size}")
-    check_context_parallel(cfg)
+    require(cfg.cp_size >= 1, f"cp_size must be 1 or more, got {cfg.cp_size}")
+    require(cfg.cp_mode in CP_MODES, f"cp_mode '{cfg.cp_mode}' is not one of {', '.join(CP_MODES)}")
+    require(cfg.ep_size >= 1, f"ep_size must be 1 or more, got {cfg.ep_size}")
+    require(cfg.ep_size == 1 or (cfg.fsdp and cfg.sharding_strategy in EP_STRATEGIES),
+            f"ep_size={cfg.ep_size} needs FSDP with {', '.join(EP_STRATEGIES)} (DDP and NO_SHARD hold every weight "
+            f"whole on every rank): ep_size must be 1 otherwise")
     require(cfg.fsdp or not cfg.cpu_offload,
             "cpu_offload: true needs fsdp: true (DDP keeps every parameter and optimizer state on the GPU)")
     require(cfg.fsdp or not cfg.force_fsdp, "force_fsdp: true needs fsdp: true (it wraps one process in FSDP2)")
@@ -273,6 +293,7 @@ def validate(cfg: TrainConfig) -> None:
     require(0.0 <= cfg.muon_momentum < 1.0, f"muon_momentum must be in [0, 1), got {cfg.muon_momentum}")
     require(cfg.optimizer == "muon" or not (cfg.normuon or cfg.cautious_weight_decay),
             "normuon and cautious_weight_decay change Muon's update: set optimizer: muon (or turn them off)")
+    require(cfg.grad_clip >= 0, f"grad_clip must be 0 (no clipping) or more, got {cfg.grad_clip}")
     require(cfg.min_lr <= cfg.learning_rate,
             f"min_lr={cfg.min_lr} must not exceed learning_rate={cfg.learning_rate}")
     require(cfg.lr_schedule in LR_SCHEDULES, f"lr_schedule '{cfg.lr_schedule}' is not one of {', '.join(LR_SCHEDULES)}")
@@ -299,9 +320,8 @@ def validate(cfg: TrainConfig) -> None:
 
 def check_moe(cfg: TrainConfig) -> None:
     """The mixture's keys: built for the Llama layout's SwiGLU experts."""
-    if cfg.ep_size < 1 or (cfg.ep_size > 1 and not (cfg.moe_experts and cfg.fsdp and cfg.sharding_strategy in EP_STRATEGIES)):
-        raise UserError(f"ep_size={cfg.ep_size} needs moe_experts and FSDP with {', '.join(EP_STRATEGIES)} (DDP and "
-                        f"NO_SHARD hold every weight whole on every rank): ep_size must be 1 otherwise")
+    require(cfg.ep_size == 1 or cfg.moe_experts, f"ep_size={cfg.ep_size} splits a mixture's experts over ranks, and "
+                                                 f"moe_experts: 0 is a dense model: ep_size must be 1")
     if cfg.ep_size > 1 and cfg.reduce_dtype == "fp16":
         # torch 2.13 splits an fp16 reduction's divide factor into a pre- and a post-division and, for
         # a group of one (ep_size = the shard group), divides by the whole factor again in between
@@ -316,7 +336,9 @@ def check_moe(cfg: TrainConfig) -> None:
               (cfg.arch == "llama" and cfg.mlp in (None, "swiglu"), "MoE layers are built for arch: llama with its "
                "SwiGLU MLP (not GPT-2's layout, not mlp: gelu or relu2)"),
               (1 <= cfg.moe_top_k <= cfg.moe_experts, f"moe_top_k={cfg.moe_top_k} must be 1 to moe_experts={cfg.moe_experts}"),
-              ((cfg.moe_hidden or 1) > 0 and cfg.moe_shared >= 0, "moe_hidden must be positive and moe_shared 0 or more"),
+              ((cfg.moe_hidden is None or cfg.moe_hidden > 0) and cfg.moe_shared >= 0,
+               f"moe_hidden must be positive (null: ffn_hidden / moe_top_k), moe_shared 0 or more: got {cfg.moe_hidden}, "
+               f"{cfg.moe_shared}"),
               (0 <= cfg.moe_dense_layers < cfg.n_layer, f"moe_dense_layers must be 0 to n_layer - 1, got {cfg.moe_dense_layers}"),
               (cfg.moe_score in MOE_SCORES, f"moe_score '{cfg.moe_score}' is not one of {', '.join(MOE_SCORES)}"),
               (cfg.moe_aux_loss >= 0 and cfg.moe_bias_rate >= 0, "moe_aux_loss and moe_bias_rate must be 0 (off) or more"),
@@ -334,10 +356,6 @@ def check_context_parallel(cfg: TrainConfig) -> None:
     dtype when the model is built): Ulysses splits every row's tokens and, for attention, the heads
     over the cp_size ranks; the ring cuts each row into 2 x cp_size chunks."""
     cp = cfg.cp_size
-    if cp < 1:
-        raise UserError(f"cp_size must be 1 or more, got {cp}")
-    if cfg.cp_mode not in CP_MODES:
-        raise UserError(f"cp_mode '{cfg.cp_mode}' is not one of {', '.join(CP_MODES)}")
     if cfg.cp_mode == "ring":
         if cfg.block_size % (2 * cp):
             raise UserError(f"cp_mode: ring needs 2 x cp_size = {2 * cp} to divide block_size={cfg.block_size}: each "

@@ -1,12 +1,13 @@
 """Reading a run's configuration: a YAML file, then --key=value overrides (the last one wins), typed
-by TrainConfig's fields and validated once (config.py holds the keys and their checks)."""
+by TrainConfig's fields and validated once (config.py holds the keys and their checks; with init_from,
+those of the model's keys after the folder has set them)."""
 import difflib
 import os
 import typing
 
 import yaml
 
-from fsdp_gpt.config import FIELDS, TrainConfig, UserError, validate
+from fsdp_gpt.config import FIELDS, TrainConfig, UserError, validate, validate_run
 
 USAGE = "usage: python train_fsdp.py CONFIG.yaml [--key=value ...]   (or under torchrun)"
 
@@ -82,5 +83,7 @@ def parse_args(argv: list[str]) -> TrainConfig:
         i += 1
     cfg = TrainConfig(**values)
     cfg.given = frozenset(values)  # the keys the file or the command line set (init_from may set the others)
-    validate(cfg)
+    # init_from: the folder sets the model's keys once the process group exists (hf_format.define_model),
+    # and the checks that read them run then
+    (validate_run if cfg.init_from else validate)(cfg)
     return cfg

@@ -7,10 +7,11 @@ the safetensors files directly, so training from published weights needs no tran
 import json
 import math
 import os
+import re
 
 import torch
 
-from fsdp_gpt.config import LLAMA3_SCALING, UserError, check_rope_scaling
+from fsdp_gpt.config import LLAMA3_SCALING, UserError, check_rope_scaling, validate_model
 from fsdp_gpt.files import read_json
 from fsdp_gpt.model import GPT, GPTConfig
 
@@ -168,7 +169,8 @@ def define_model(cfg) -> None:
     """init_from: the folder's config.json sets every model key of cfg. A key the config file or the
     command line gave (cfg.given) that contradicts the folder is refused, naming both values; the
     run's tokenizer is the folder's unless one is named; block_size stays the config's, up to what
-    the folder's positions allow."""
+    the folder's positions allow. Then the checks that read the model's keys run (the config's others
+    were checked when it was read): a refusal that names a key the folder set says it is the folder's."""
     keys, longest = hf_model_keys(cfg.init_from)
     for key, value in keys.items():
         mine = getattr(cfg, key)
@@ -181,6 +183,11 @@ def define_model(cfg) -> None:
                         f"({longest} positions): set --block_size={longest} or less")
     if "tokenizer" not in cfg.given and os.path.isfile(os.path.join(cfg.init_from, "tokenizer.json")):
         cfg.tokenizer = cfg.init_from
+    try:
+        validate_model(cfg)
+    except UserError as e:  # e.g. ep_size=3 must divide moe_experts=8 (init_from FOLDER sets moe_experts=8)
+        named = ", ".join(f"{key}={getattr(cfg, key)}" for key in keys if re.search(rf"\b{key}\b", str(e)))
+        raise UserError(f"{e} (init_from {cfg.init_from} sets {named})" if named else str(e)) from None
 
 
 def _config_keys(folder: str) -> dict:
@@ -235,7 +242,7 @@ def _gpt2_keys(config: dict, folder: str) -> dict:
                 block_size=config["n_positions"], n_layer=config["n_layer"], n_head=config["n_head"],
                 n_embd=config["n_embd"], bias=True, ffn_hidden=config.get("n_inner") or 4 * config["n_embd"],
                 norm_eps=config.get("layer_norm_epsilon", 1e-5),
-                tie_embeddings=config.get("tie_word_embeddings", True))
+                tie_embeddings=config.get("tie_word_embeddings", True), moe_experts=0)
 
 
 def _llama_keys(config: dict, folder: str) -> dict:
@@ -251,7 +258,8 @@ def _llama_keys(config: dict, folder: str) -> dict:
                 head_dim=None if head_dim * n_head == config["hidden_size"] else head_dim,
                 rope_theta=float(config.get("rope_theta", rope.get("rope_theta", 10000.0))), rope_scaling=scaling,
                 qk_norm=config["architectures"][0] == "Qwen3ForCausalLM", ffn_hidden=config["intermediate_size"],
-                norm_eps=config.get("rms_norm_eps", 1e-6), tie_embeddings=config.get("tie_word_embeddings", False))
+                norm_eps=config.get("rms_norm_eps", 1e-6), tie_embeddings=config.get("tie_word_embeddings", False),
+                moe_experts=0)
 
 
 def _qwen3_moe_keys(config: dict, folder: str) -> dict:

@@ -4,6 +4,7 @@ import atexit
 import contextlib
 import fcntl
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -188,12 +189,29 @@ def launcher_once(tmp_path_factory, group: str, **common):
     launched the first time `group/name` is asked for in the session."""
     def launch(folder: str, nproc: int, settings: dict) -> None:
         result = run_trainer(folder, nproc=nproc, **(common | settings))
-        with open(os.path.join(folder, "stdout.txt"), "w") as f:  # what the run printed, for tests to read
-            f.write(result.stdout)
+        for stream in ("stdout", "stderr"):  # what the run printed, for tests to read
+            with open(os.path.join(folder, f"{stream}.txt"), "w") as f:
+                f.write(getattr(result, stream))
 
     def run(name: str, nproc: int, **settings) -> str:
         return shared(tmp_path_factory, f"{group}/{name}", lambda folder: launch(folder, nproc, settings))
     return run
+
+
+# Python's warnings (UserWarning: ...) and torch's logged ones ([rank0]:W1126 12:00:00.1 ..., [W1126 ... reducer.cpp])
+WARNING_LINE = re.compile(r"Warning\b|^(\[rank\d+\]:)?\[?[WE]\d{4} \d")
+
+
+def stderr_of(run_dir: str) -> str:
+    """What a shared run (launcher_once) printed on stderr."""
+    with open(os.path.join(run_dir, "stderr.txt")) as f:
+        return f.read()
+
+
+def assert_quiet(stderr: str) -> None:
+    """A healthy run printed no warning: nothing a user could take for a problem, or be unable to act on."""
+    warnings = [line for line in stderr.splitlines() if WARNING_LINE.search(line)]
+    assert not warnings, "\n".join(warnings)
 
 
 @pytest.fixture(scope="session")

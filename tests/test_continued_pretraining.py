@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, launch, overrides, tool
+from conftest import ROOT, assert_quiet, launch, overrides, scalars, tool
 from test_hf_tokenizer import make_tokenizer, write_docs
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
@@ -39,6 +39,19 @@ def llama_folder(tmp_path_factory) -> str:
                          rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                            original_max_position_embeddings=32), tie_word_embeddings=False)
     LlamaForCausalLM(config).save_pretrained(folder)
+    make_tokenizer(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe_folder(tmp_path_factory) -> str:
+    """A small random Qwen3MoeForCausalLM (8 experts, top 2) saved by transformers, and a tokenizer."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    folder = tmp_path_factory.mktemp("qwen3_moe")
+    config = Qwen3MoeConfig(vocab_size=576, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                            max_position_embeddings=256, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)
+    Qwen3MoeForCausalLM(config).save_pretrained(folder)
     make_tokenizer(folder)
     return str(folder)
 
@@ -88,6 +101,47 @@ def test_the_folder_defines_the_model_and_its_tokenizer_feeds_the_run(qwen3_fold
     refused = run(tmp_path, config, init_from=qwen3_folder, **(SMALL | dict(data_path=str(tmp_path / "other_data"))))
     assert refused.returncode == 2 and f"not with this run's {qwen3_folder} (sha256" in refused.stderr
     assert os.path.isfile(tmp_path / "prepared" / "meta.json")
+
+
+def test_ep_size_alone_splits_a_mixture_folders_experts(qwen3_moe_folder, qwen3_folder, tmp_path):
+    """--ep_size=2 beside init_from at 2 ranks, no model key restated: the folder's 8 experts, 4 a rank,
+    train as one process does, and the console stays quiet; beside a dense folder, ep_size is refused
+    in one line naming the folder's moe_experts=0."""
+    write_docs(tmp_path / "docs.jsonl", n=200)
+    config = bare_config(tmp_path, tmp_path / "docs.jsonl")
+    logged = {}
+    for name, nproc, extra in (("one", 1, {}), ("ep2", 2, dict(ep_size=2))):
+        (tmp_path / name).mkdir()
+        result = run(tmp_path / name, config, nproc, init_from=qwen3_moe_folder, **(SMALL | extra))
+        assert result.returncode == 0, result.stderr[-3000:]
+        logged[name] = {tag: scalars(tmp_path / name / "tb", tag) for tag in ("train/loss", "val/loss")}
+    assert "\nmoe_experts: 8\n" in result.stdout and "expert parallel 2 (4 experts a rank)" in result.stdout
+    assert_quiet(result.stderr)
+    for tag, values in logged["one"].items():
+        assert logged["ep2"][tag] == pytest.approx(values, rel=1e-4), tag
+    refused = run(tmp_path, config, nproc=2, init_from=qwen3_folder, **(SMALL | dict(ep_size=2)))
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("error: ")]
+    assert refused.returncode != 0 and "Traceback" not in refused.stderr and errors == [
+        f"error: ep_size=2 splits a mixture's experts over ranks, and moe_experts: 0 is a dense model: ep_size must be "
+        f"1 (init_from {qwen3_folder} sets moe_experts=0)"]
+
+
+@pytest.mark.parametrize("override, refusal", [
+    ("--ep_size=3", "ep_size=3 must divide moe_experts=8: each rank of an expert group holds moe_experts / ep_size "
+                    "experts (init_from {} sets moe_experts=8)"),
+    ("--cp_size=3", "cp_size=3 must divide n_head=4: Ulysses splits each row's tokens and attention's heads over "
+                    "cp_size ranks (cp_mode: ring has no head-count limit) (init_from {} sets n_head=4)"),
+])
+def test_a_check_of_a_folders_key_runs_once_it_is_read_and_names_it(override, refusal, qwen3_moe_folder):
+    """Reading the config leaves the model's checks to the folder's keys (launch checks the world size)."""
+    from fsdp_gpt.config import UserError
+    from fsdp_gpt.config_parse import parse_args
+    from fsdp_gpt.hf_format import define_model
+    cfg = parse_args([os.path.join(ROOT, "config", "continue_hf.yaml"), f"--init_from={qwen3_moe_folder}",
+                      "--block_size=64", override])
+    with pytest.raises(UserError) as refused:
+        define_model(cfg)
+    assert str(refused.value) == refusal.format(qwen3_moe_folder)
 
 
 @pytest.mark.compat  # and on transformers 4.51 (CI's oldest venv)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import fsdp_gpt.moe as moe_module
-from conftest import ROOT, checkpoint_of, evaluated, hf_val_loss, launch, launcher_once, run_trainer, scalars, tool
+from conftest import (ROOT, assert_quiet, checkpoint_of, evaluated, hf_val_loss, launch, launcher_once, run_trainer,
+                      scalars, stderr_of, tool)
 from test_bad_input import assert_one_line_error
 from fsdp_gpt.config import UserError
 from fsdp_gpt.hf_format import hf_config, hf_model_keys, to_hf
@@ -139,6 +140,30 @@ def test_muon_orthogonalises_each_expert_on_its_own():
     assert "blocks.0.mlp.experts.c_fc" in names and "blocks.0.mlp.router.weight" not in names
 
 
+def test_the_gradient_norm_over_the_experts_mesh_and_the_others_takes_one_all_reduce(one_process_group):
+    """Expert parallelism leaves gradients on two meshes (HYBRID_SHARD's replicas on both): their global
+    norm in one collective, each rank's slice counted once, and every gradient scaled by max_norm / norm."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.debug import CommDebugMode
+    from fsdp_gpt.optim.clip import clip_gradients
+    meshes = (init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard")),
+              init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("replicate", "efsdp", "ep")))
+    placements = ([Replicate(), Shard(0)], [Replicate(), Shard(0), Shard(0)])
+    grads = (torch.randn(3, 4), torch.randn(2, 4, 4))
+    model = torch.nn.ParameterList([torch.nn.Parameter(DTensor.from_local(torch.zeros_like(g), mesh, where))
+                                    for g, mesh, where in zip(grads, meshes, placements)])
+    for p, g, mesh, where in zip(model, grads, meshes, placements):
+        p.grad = DTensor.from_local(g.clone(), mesh, where)
+    with CommDebugMode() as comms:
+        norm = clip_gradients(model, max_norm=1.0)
+    assert comms.get_total_counts() == 1
+    expected = torch.cat([g.flatten() for g in grads]).norm()
+    assert norm.item() == pytest.approx(expected.item(), rel=1e-6) and expected > 1
+    for p, g in zip(model, grads):
+        assert torch.allclose(p.grad.to_local(), g / expected, rtol=1e-5)
+
+
 def test_active_parameters_and_flops_count_the_top_k_experts():
     model = moe_model(moe_shared=1)
     expert = 3 * 32 * model.config.moe_hidden  # gate, up and down of one expert
@@ -208,6 +233,7 @@ def test_n_ranks_train_the_run_of_one_process(reference, layout, runs):
     with open(os.path.join(reference, "stdout.txt")) as f:
         printed = f.read()
     assert "active per token" in printed and "experts busiest" in printed
+    assert_quiet(stderr_of(got))  # no torch warning: the gradient norm over two meshes takes one all-reduce
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import DEMO, ROOT, RUN, TINY, evaluated, free_port, overrides, scalars, shared
+from conftest import DEMO, ROOT, RUN, TINY, assert_quiet, evaluated, free_port, overrides, scalars, shared, stderr_of
 
 pytestmark = pytest.mark.slow
 STEPS = RUN["max_iters"]
@@ -46,6 +46,12 @@ def test_four_ranks_match_one_process(strategy, single_process, run_of):
     assert len(single_process["train/loss"]) == STEPS
     # training moved the weights: the parity is not that of a model standing still
     assert single_process["train/loss"][STEPS] < single_process["train/loss"][1]
+
+
+# DDP's runs warn of find_unused_parameters, which parallelize.py sets on purpose
+@pytest.mark.parametrize("name", ["full2", "FULL_SHARD", "NO_SHARD", "HYBRID_SHARD", "cp2", "cp2_hybrid"])
+def test_a_healthy_run_prints_no_warning(name, run_of):
+    assert_quiet(stderr_of(run_of(name)))
 
 
 def test_two_ranks_match_one_process(single_process, run_of):

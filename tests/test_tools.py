@@ -50,6 +50,7 @@ def test_exported_model_loads_in_transformers_with_the_same_logits(two_rank_runs
     assert all(torch.equal(full[name], sharded[name]) for name in full)
 
 
+@pytest.mark.compat  # on transformers 4.51 (CI's oldest venv) as on 5
 def test_exported_tokenizers_encode_as_the_runs(tmp_path):
     """tiktoken's BPE and raw bytes converted, a Hugging Face tokenizer copied: each encodes as the
     run's tokenizer did; tokenizer_config.json gives the trained context and a class transformers 4
@@ -76,6 +77,72 @@ def test_exported_tokenizers_encode_as_the_runs(tmp_path):
             assert config["tokenizer_class"] == "PreTrainedTokenizerFast" and config["model_max_length"] == 96
         else:  # copied as it is
             assert (out / "tokenizer.json").read_bytes() == (tmp_path / "hf_tokenizer" / "tokenizer.json").read_bytes()
+
+
+# A tokenizer folder as transformers 5 saves it (tokenizer_class TokenizersBackend, extra_special_tokens a
+# list, chat templates in .jinja files), made by save_as_transformers_5 with transformers 5.24 and kept
+# here: CI's compat run, on transformers 4.51, exports it as the main run does
+SAVED_BY_5 = os.path.join(ROOT, "tests", "data", "tokenizer_saved_by_transformers_5")
+TEMPLATES = {"default": "{% for m in messages %}<|bos|>{{ m['content'] }}<|endoftext|>{% endfor %}",
+             "tool_use": "<|tool|>{{ messages[0]['content'] }}"}
+
+
+def save_as_transformers_5(folder) -> None:
+    """tests/data/tokenizer_saved_by_transformers_5/ (transformers 5 writes its own format)."""
+    import tokenizers
+    from transformers import PreTrainedTokenizerFast
+    words = {word: i for i, word in enumerate(["hello", "world", "tool", "call", "[UNK]"])}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(words, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|bos|>",
+                                 additional_special_tokens=["<|tool|>"])
+    hf.chat_template = dict(TEMPLATES)
+    hf.save_pretrained(folder)
+
+
+def test_the_kept_folder_is_what_transformers_5_saves(tmp_path):
+    """What the export rewrites, as transformers 5 writes it now: refresh the folder if this fails."""
+    import json
+
+    import tokenizers
+    import transformers
+    if int(transformers.__version__.split(".")[0]) < 5:
+        pytest.skip(f"the folder is transformers 5's (this is {transformers.__version__})")
+    save_as_transformers_5(tmp_path)
+    files = {os.path.relpath(os.path.join(d, f), folder) for folder in (SAVED_BY_5, tmp_path)
+             for d, _, names in os.walk(folder) for f in names}
+    assert all(os.path.isfile(os.path.join(folder, f)) for f in files for folder in (SAVED_BY_5, tmp_path)), files
+    configs = [json.load(open(os.path.join(folder, "tokenizer_config.json"))) for folder in (SAVED_BY_5, tmp_path)]
+    keys = ("tokenizer_class", "extra_special_tokens", "eos_token", "bos_token")
+    assert [{k: c.get(k) for k in keys} for c in configs] == 2 * [dict(
+        tokenizer_class="TokenizersBackend", extra_special_tokens=["<|tool|>"], eos_token="<|endoftext|>",
+        bos_token="<|bos|>")]
+    vocabularies = [tokenizers.Tokenizer.from_file(os.path.join(folder, "tokenizer.json")).get_vocab()
+                    for folder in (SAVED_BY_5, tmp_path)]
+    assert vocabularies[0] == vocabularies[1]
+    for name in files - {"tokenizer.json", "tokenizer_config.json"}:  # the chat templates
+        assert open(os.path.join(SAVED_BY_5, name)).read() == open(os.path.join(tmp_path, name)).read(), name
+
+
+@pytest.mark.compat  # on transformers 4.51 (CI's oldest venv) as on 5
+def test_an_export_of_a_tokenizer_transformers_5_saved_loads_in_this_transformers(tmp_path):
+    """transformers 4.51 refuses TokenizersBackend and fails on a list of extra_special_tokens, and
+    reads no named template from additional_chat_templates/: the export writes a tokenizer_config.json
+    both versions read, with the source's special tokens and chat templates."""
+    from transformers import AutoTokenizer
+
+    from export_hf import save_tokenizer
+    from fsdp_gpt.data.tokenizer import HFTokenizer
+    source = HFTokenizer(SAVED_BY_5)
+    save_tokenizer(source, str(tmp_path), block_size=64)
+    hf = AutoTokenizer.from_pretrained(tmp_path)
+    text = "hello world <|tool|> call tool"
+    assert hf.encode(text, add_special_tokens=False) == source.encode_ordinary(text) == [0, 1, 7, 3, 2]
+    assert (hf.bos_token, hf.eos_token) == ("<|bos|>", "<|endoftext|>") and "<|tool|>" in hf.all_special_tokens
+    assert hf.chat_template == TEMPLATES
+    chat = [{"role": "user", "content": "hello"}]
+    assert hf.apply_chat_template(chat, tokenize=False) == "<|bos|>hello<|endoftext|>"
+    assert hf.apply_chat_template(chat, tokenize=False, chat_template="tool_use") == "<|tool|>hello"
 
 
 def test_export_in_bf16_halves_the_folder_and_large_models_come_in_shards(two_rank_runs, tmp_path):

@@ -16,6 +16,8 @@ same average (set_gradient_divide_factor; pytorch#160285's factor ep too large o
 Per layer and direction: one all-to-all of the counts (E integers) and one of the rows, whatever the
 routing: a rank that sends or receives no row still takes part (splits of zero).
 """
+import logging
+
 import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import all_to_all_single_autograd
@@ -31,6 +33,20 @@ from fsdp_gpt.moe import MoE, GroupedExperts
 # FSDP's mesh for the experts by the dimensions of everyone else's: the flat mesh's ranks that hold
 # the same experts, and HYBRID_SHARD's replicas of them beside
 EXPERT_FSDP_DIMS = {1: ("efsdp",), 2: ("replicate", "efsdp")}
+
+
+class UnmergeableGathers(logging.Filter):
+    """Drops one note of torch's DTensor: that gathering an expert weight whole (a full checkpoint)
+    takes two all-gathers, efsdp's then ep's, where flattened dimensions would take one. Here they
+    can't: the weight's rows lie in ep-major order, the ranks in efsdp-major order, and torch says so
+    itself ("not possible to merge non-ascending order all_gather"), so the note asks nothing a user
+    could do. Every other message of DTensor's, this one for any other reason included, stays."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "not possible to merge non-ascending order all_gather" not in record.getMessage()
+
+
+UNMERGEABLE_GATHERS = UnmergeableGathers()
 
 
 class LocalExperts(GroupedExperts):
@@ -78,6 +94,7 @@ def _sharded_over(p: torch.Tensor, ep_mesh: DeviceMesh) -> torch.nn.Parameter:
 def apply_expert_parallel(gpt: GPT, ep_mesh: DeviceMesh) -> None:
     """Every MoE layer's experts split over the ep mesh, and its tokens dispatched to them."""
     dispatch = ExpertParallel(ep_mesh)
+    logging.getLogger("torch.distributed.tensor._redistribute").addFilter(UNMERGEABLE_GATHERS)  # added once
     for moe in gpt.moe_layers():
         moe.experts.c_fc = _sharded_over(moe.experts.c_fc, ep_mesh)
         moe.experts.c_proj = _sharded_over(moe.experts.c_proj, ep_mesh)
