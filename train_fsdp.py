@@ -138,7 +138,7 @@ def train(cfg) -> int:
                                     dtype, topo.world_size, resumed_at=step, wandb_id=wandb_id))
     spikes = SpikeDetector(device, cfg.spike_zscore, cfg.spike_window)
     spikes.load(ckpt.train_state.get("spikes"))
-    balance = ExpertBalance(gpt, cfg.moe_bias_rate)  # the experts' loads (and biases) after each step
+    balance = ExpertBalance(gpt, cfg.moe_bias_rate, device)  # the experts' loads (and biases) after each step
     balance.load_state(ckpt.train_state.get("moe"), device)
     times = StepTimes(device)
     profiling = Profiling(cfg, rank, device, watchdog.arm)

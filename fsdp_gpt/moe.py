@@ -167,9 +167,10 @@ class MoE(nn.Module):
         figures = torch.cat([counts.float(), self.aux_loss.detach().reshape(1), counts.new_ones(1, dtype=torch.float)])
         self.pending = figures if self.pending is None else self.pending + figures
 
-    def take_pending(self) -> torch.Tensor:
-        """The counts (experts), aux loss sum and forwards summed since the last take; then none."""
-        none = torch.zeros(self.n_experts + 2, device=self.router.weight.device)
-        taken = self.pending if self.pending is not None else none
-        self.pending = None
+    def take_pending(self, device: torch.device) -> torch.Tensor:
+        """The counts (experts), aux loss sum and forwards summed since the last take; then zeros on
+        `device`, the forwards' (a sum that always exists: a compiled block would otherwise compile
+        the first forward of each step apart, where there is none yet)."""
+        taken = self.pending if self.pending is not None else torch.zeros(self.n_experts + 2, device=device)
+        self.pending = torch.zeros(self.n_experts + 2, device=device)
         return taken

@@ -86,7 +86,7 @@ def test_the_balancing_loss_changes_the_gradient_not_the_loss():
 
 def test_the_bias_moves_towards_the_mean_load_and_checkpointing_keeps_the_shares():
     model = moe_model(moe_dense_layers=1)
-    balance = ExpertBalance(model, bias_rate=0.01)
+    balance = ExpertBalance(model, bias_rate=0.01, device=torch.device("cpu"))
     x = torch.randint(0, 64, (4, 16))
     model(x)
     model(x)

@@ -133,13 +133,13 @@ class BatchLoader:
         self._copy_stream = torch.cuda.Stream(device) if self.one_ahead else None
         self._ahead = None  # ((step, micro_step), copy in flight)
 
-    def _host_rows(self, split: str, chunk: tuple[np.ndarray, np.ndarray]) -> torch.Tensor:
+    def _host_rows(self, split: str, chunk: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
         """(rows, 2, tokens): each row's inputs, then its targets (the next tokens), over this rank's pieces."""
         streams = self.splits[split]
         windows = [[streams[int(k)].window(int(s) + start, length + 1) for start, length in self.pieces]
                    for k, s in zip(*chunk)]
-        return torch.from_numpy(np.stack([[np.concatenate([w[:-1] for w in row]), np.concatenate([w[1:] for w in row])]
-                                          for row in windows]).astype(np.int64))
+        return np.stack([[np.concatenate([w[:-1] for w in row]), np.concatenate([w[1:] for w in row])]
+                         for row in windows]).astype(np.int64)
 
     def _rows(self, split: str, chunk: tuple[np.ndarray, np.ndarray]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         return self._finish_copy(self._start_copy(self._host_rows(split, chunk)))
@@ -170,10 +170,11 @@ class BatchLoader:
             self._ahead = (following, self._start_copy(self._host_rows("train", following_chunk)))
             yield self._finish_copy(copy)
 
-    def _start_copy(self, xy: torch.Tensor):
+    def _start_copy(self, rows: np.ndarray):
         """The host rows on their way to the device: on GPU through pinned memory, on a side stream;
         with doc_mask, the tokens that open documents found in the host's copy meanwhile."""
-        opens = xy[:, 0].numpy() == self.separator if self.doc_mask else None
+        opens = rows[:, 0] == self.separator if self.doc_mask else None
+        xy = torch.from_numpy(rows)
         if self.device.type != "cuda":
             return xy.to(self.device), None, opens  # on CPU: xy itself
         with torch.cuda.stream(self._copy_stream):

@@ -19,9 +19,11 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 class ExpertBalance:
-    def __init__(self, gpt: GPT, bias_rate: float):
+    def __init__(self, gpt: GPT, bias_rate: float, device: torch.device):
         self.layers = {i: block.mlp for i, block in enumerate(gpt.blocks) if isinstance(block.mlp, MoE)}
-        self.bias_rate = bias_rate
+        self.bias_rate, self.device = bias_rate, device
+        for moe in self.layers.values():
+            moe.take_pending(device)  # each layer's sums start at zero on the forwards' device
         self.load = None  # (layers, experts): each expert's share of the last step's routed tokens
         self.aux = None  # (layers,): the last step's mean load-balancing loss per layer
 
@@ -29,7 +31,7 @@ class ExpertBalance:
         """Every rank, after the optimizer step: the step's shares, and the bias moved by them."""
         if not self.layers:
             return
-        figures = torch.stack([moe.take_pending() for moe in self.layers.values()])  # (layers, experts + 2)
+        figures = torch.stack([moe.take_pending(self.device) for moe in self.layers.values()])  # (layers, experts + 2)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(figures)
         counts, aux_sum, forwards = figures[:, :-2], figures[:, -2], figures[:, -1]
