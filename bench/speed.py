@@ -5,6 +5,7 @@
     python bench/speed.py scaling [--rounds 3]            # 2 and 4 ranks vs 1, each strategy and DDP
     python bench/speed.py loader                          # data loader tokens/s vs the trainer's
     python bench/speed.py muon [--rounds 3]               # step time with muon vs adamw, 1 and 2 ranks
+    python bench/speed.py muon_step                       # Muon's optimizer step alone: its share of a step
 
 The model: 4 layers, 256 wide (plain: 128 and 256, or --widths), block 128, batch 16, fp32,
 byte tokens (the demo's data).
@@ -172,9 +173,38 @@ def bench_muon(rounds: int, workdir: str) -> None:
               f"(median of {rounds} alternating pairs)", flush=True)
 
 
+def bench_muon_step(rounds: int) -> None:
+    """Muon's optimizer step alone, one process, against the model's forward and backward: its share of
+    a step (GPT-2 124M's matrices at the plain bench's batch would take minutes on a CPU: this
+    model's 4 x 256, 16 x 128 tokens; fp32)."""
+    import torch.distributed as dist
+    from fsdp_gpt.optim.muon import MuonWithAdamW, is_muon_matrix
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # the trainer's one process
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=256, **shape()))
+    matrices = [p for n, p in model.named_parameters() if is_muon_matrix(n, p.shape)]
+    others = [p for n, p in model.named_parameters() if not is_muon_matrix(n, p.shape)]
+    optimizer = MuonWithAdamW([dict(params=matrices, muon=True, weight_decay=0.1, momentum=0.95),
+                               dict(params=others, muon=False, weight_decay=0.0, betas=(0.9, 0.95), eps=1e-8)],
+                              lr=1e-3, device=torch.device("cpu"))
+    x = torch.randint(0, 256, (BATCH, shape()["block_size"]))
+    forward_backward, step = [], []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        model(x, x)[1].backward()
+        middle = time.perf_counter()
+        optimizer.step()
+        forward_backward.append(middle - start)
+        step.append(time.perf_counter() - middle)
+        optimizer.zero_grad(set_to_none=True)
+    fb, st = statistics.median(forward_backward[1:]), statistics.median(step[1:])
+    print(f"{len(matrices)} Muon matrices: step {st * 1e3:.1f} ms, forward and backward {fb * 1e3:.1f} ms: "
+          f"the optimizer {st / (st + fb):.1%} of a step (medians of {rounds - 1})", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=("plain", "scaling", "loader", "muon", "_plain_loop"))
+    parser.add_argument("what", choices=("plain", "scaling", "loader", "muon", "muon_step", "_plain_loop"))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--compile", action="store_true", help="plain: compile both sides")
     parser.add_argument("--widths", type=int, nargs="+", default=[128, 256], help="plain: the models' widths")
@@ -191,6 +221,8 @@ def main() -> None:
         bench_scaling(args.rounds, workdir)
     elif args.what == "muon":
         bench_muon(args.rounds, workdir)
+    elif args.what == "muon_step":
+        bench_muon_step(max(args.rounds, 3) * 4)
     else:
         bench_loader(workdir)
 
