@@ -15,9 +15,11 @@ Under FSDP2 each rank holds a dim-0 slice of each matrix, and Newton-Schulz need
 Each matrix is orthogonalised once per step, by one rank: the matrices are dealt out in rounds
 over all the ranks that share them (MatrixExchange), the slices sent to the owner and back by
 all-to-alls in the shard group, and replicas (HYBRID_SHARD, NO_SHARD, DDP) each take a share
-of the round and all-gather the results. A mixture's stacked experts (experts, rows, cols) are
-sharded along the experts: every rank holds whole expert matrices and orthogonalises each of its
-own, batched, with no communication (replicas compute the same).
+of the round and all-gather the results. One process (nothing to exchange) orthogonalises the
+matrices of each shape together, batched: 4 calls a step instead of 48 at GPT-2 124M. A mixture's
+stacked experts (experts, rows, cols) are sharded along the experts: every rank holds whole expert
+matrices and orthogonalises each of its own, batched, with no communication (replicas compute
+the same).
 """
 import math
 from functools import partial
@@ -253,6 +255,12 @@ class MuonWithAdamW(torch.optim.Optimizer):
             updates.append(torch.cat([update, local_part(state["row_second_moment"])], dim=-1) if self.normuon else update)
         shared = [i for i, (p, _) in enumerate(matrices) if p.dim() == 2]  # exchanged; stacked experts are local
         shapes = [(matrices[i][0].shape[0], matrices[i][0].shape[1] + self.normuon) for i in shared]
+        if self.exchange.round == 1:  # one process holds them whole: one shape's together, batched
+            for same in _by_shape(shared, shapes):
+                stacked = torch.stack([updates[i] for i in same])
+                for i, update in zip(same, self.transform(stacked.to(self.device)).to(stacked.device)):
+                    self._apply(*matrices[i], update, keep)
+            shared = []
         for start in range(0, len(shared), self.exchange.round):
             batch = shared[start:start + self.exchange.round]
             results = self.exchange.transformed([updates[i] for i in batch], shapes[start:start + len(batch)], self.device)
@@ -276,6 +284,14 @@ class MuonWithAdamW(torch.optim.Optimizer):
             decay = decay * (update * weight > 0)
         new = torch.add(weight * (1 - decay), update, alpha=-group["lr"] * scale)
         _assign(weight, new, keep)
+
+
+def _by_shape(indices: list[int], shapes: list[tuple[int, int]]) -> list[list[int]]:
+    """The indices grouped by their matrices' shapes, in the order shapes first appear."""
+    groups = {}
+    for i, shape in zip(indices, shapes):
+        groups.setdefault(shape, []).append(i)
+    return list(groups.values())
 
 
 def _assign(target: torch.Tensor, new: torch.Tensor, keep: torch.Tensor | None) -> None:
