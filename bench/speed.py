@@ -75,7 +75,9 @@ def trainer_rate(nproc: int, workdir: str, strategy: str = "FULL_SHARD", compile
     settings = shape(width) | dict(
         train_batch=BATCH, micro_batch=BATCH // nproc, max_iters=interval + steps, log_interval=interval,
         eval_interval=10 ** 6, eval_iters=1, save_interval=10 ** 6, dtype="fp32", compile=compile, sample_tokens=0,
-        checkpoint_dir="ckpt", tensorboard_dir="tb", data_path=demo_data(), optimizer=optimizer)
+        checkpoint_dir="ckpt", tensorboard_dir="tb", data_path=demo_data(), optimizer=optimizer,
+        # the plain loop's training: its values, and so the arithmetic they cost, alike
+        learning_rate=6e-4, min_lr=6e-4, warmup_iters=0, lr_schedule="constant")
     out = run(launch + [os.path.join(ROOT, "train_fsdp.py"), DEMO] + mode +
               [f"--{k}={v}" for k, v in settings.items()], nproc, workdir)
     return median_after_warmup([float(r.replace(",", "")) for r in re.findall(r"\| ([\d,]+) tok/s", out)])

@@ -13,8 +13,12 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 def pick_device(local_rank: int = 0) -> torch.device:
     """GPU local_rank when there is one, else the CPU. On GPUs fp32 matmuls (dtype: fp32, and the
     few fp32 ops under autocast) run on tensor cores as TF32: about 10 bits of mantissa instead
-    of 23, several times faster; bf16/fp16 compute is unaffected."""
+    of 23, several times faster; bf16/fp16 compute is unaffected. On the CPU values below fp32's
+    smallest normal (1.2e-38: softmax's far tails, squares of tiny gradients) are flushed to zero,
+    as GPU kernels mostly do: x86 computes on them many times slower, which cost a run here about
+    5% of its steps (docs/performance.md)."""
     if not torch.cuda.is_available():
+        torch.set_flush_denormal(True)
         return torch.device("cpu")
     device = torch.device("cuda", local_rank)
     torch.cuda.set_device(device)
