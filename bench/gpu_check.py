@@ -12,7 +12,7 @@ with the vocabulary kept at 50,304 (the configs' shapes and FLOPs, no tokenizer 
 Time: a lent machine allows 10 minutes a command. The rows share GPU_CHECK_BUDGET seconds (default
 510): each gets what is left, in the order below, and a row that no longer fits is shown as not
 run. GPU_CHECK_ROWS=name,name runs those rows alone. One markdown table, printed and written to $GPU_CHECK_DIR/table.md: per row what ran, tok/s,
-MFU (medians of the log lines after the first, which holds start-up and compilation), the largest
+MFU (over the steps after the first log line, which holds start-up and compilation: 50 steps, lines every 25), the largest
 rank's peak memory, and pass or fail with the reason. Extra --key=value arguments go to every
 trainer run, last (tests/test_gpu_paths.py runs this at tiny size on CPU that way).
 """
@@ -33,9 +33,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
+# bench/mfu.py's timing: 75 steps, a line every 25 (the first holds start-up and compilation; the
+# rows that log every step to compare losses step by step pay a host sync a step in their tok/s)
 BYTES = ["--data_path=data/stdlib_bytes", "--data_source=stdlib", "--tokenizer=bytes", "--vocab_size=50304",
-         "--train_batch=64", "--micro_batch=16", "--max_iters=30", "--warmup_iters=10", "--lr_decay_iters=30",
-         "--log_interval=10", "--eval_interval=30", "--eval_iters=2", "--save_interval=30", "--sample_tokens=0",
+         "--train_batch=64", "--micro_batch=16", "--max_iters=75", "--warmup_iters=10", "--lr_decay_iters=75",
+         "--log_interval=25", "--eval_interval=75", "--eval_iters=2", "--save_interval=75", "--sample_tokens=0",
          "--world_size=null", "--keep_last=0"]
 FSDP = BYTES + ["--force_fsdp=true", "--dtype=bf16", "--compile=false"]
 GPT2 = ["config/train90M_fsdp.yaml"]
@@ -254,10 +256,11 @@ def measured(text: str) -> tuple[str, str, str]:
     if not lines:
         return "", "", ""
     timed = lines[1:] or lines
-    tokens = statistics.median(float(t.replace(",", "")) for _, _, t, _ in timed)
+    # over the steps after the first line: equal steps a line, so the rates' harmonic mean
+    tokens = statistics.harmonic_mean([float(t.replace(",", "")) for _, _, t, _ in timed])
     mfus = [float(m[:-1]) for _, _, _, m in timed if m != "n/a"]
     peak = PEAK.search(text)
-    return (f"{tokens:,.0f}", f"{statistics.median(mfus):.1f}%" if mfus else "n/a",
+    return (f"{tokens:,.0f}", f"{statistics.harmonic_mean(mfus):.1f}%" if mfus else "n/a",
             f"{max(float(gb) for gb in peak.group(1).split()):.2f}" if peak else "")
 
 

@@ -1,0 +1,47 @@
+"""bench/mfu.py at tiny size on the CPU: the trainer's rows and the plain loop's run, time the steps
+after the first log line, and make one table of ratios; the profiler trace's split of GPU time."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, overrides
+
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+from mfu import split_trace  # noqa: E402
+
+
+@pytest.mark.slow
+def test_rows_run_and_are_tabled_against_the_plain_loop(corpus, tmp_path):
+    tiny = overrides(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=256, train_batch=8, micro_batch=4,
+                     dtype="fp32", compile=False, **corpus)
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "mfu.py"), "--rows",
+                             "gpt2_ref,gpt2,gpt2_logits_loss", "--out", str(tmp_path), *tiny],
+                            capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    results = {r["row"]: r for r in json.loads((tmp_path / "results.json").read_text())}
+    assert [r["result"] for r in results.values()] == ["pass"] * 3
+    assert all(r["tok_s"] > 0 for r in results.values())
+    table = (tmp_path / "table.md").read_text()
+    for row in ("gpt2", "gpt2_logits_loss"):  # each trainer row's ratio to the reference, from this run's figures
+        assert f"{results[row]['tok_s'] / results['gpt2_ref']['tok_s']:.3f}x gpt2_ref" in table
+    assert "whole model compiled" in table and "n/a" in table  # MFU needs a GPU's peak
+    # the trace row recorded its three steps after the timed ones (no GPU kernels in it here)
+    assert os.listdir(tmp_path / "gpt2" / "tb" / "profile")
+
+
+def test_a_trace_splits_into_kinds_and_idle_time(tmp_path):
+    def kernel(name, ts, dur):
+        return {"cat": "kernel", "name": name, "ts": ts, "dur": dur}
+    events = [kernel("nvjet_sm90_tst_256x128_gemm", 0, 10), kernel("flash_fwd_kernel", 5, 10),  # overlapping streams
+              kernel("triton_red_fused_exp_logsumexp_0", 20, 5), {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 99}]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    shares, top = split_trace(str(path))
+    assert shares["matmuls"] == pytest.approx(0.4) and shares["attention"] == pytest.approx(0.4)
+    assert shares["loss"] == pytest.approx(0.2) and shares["idle"] == pytest.approx(0.2)  # 15-20 of 0-25
+    assert top[0] == ("nvjet_sm90_tst_256x128_gemm", 0.01)
+    (tmp_path / "cpu.json").write_text(json.dumps({"traceEvents": events[-1:]}))
+    assert split_trace(str(tmp_path / "cpu.json")) is None
