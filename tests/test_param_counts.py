@@ -39,7 +39,7 @@ def count_parameters(shape: dict) -> int:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name, target", [("train90M_fsdp.yaml", 90e6), ("train300M_fsdp.yaml", 300e6),
-                                          ("llama_124M.yaml", 124e6)])
+                                          ("llama_124M.yaml", 124e6), ("gpt2_124M.yaml", 124e6)])
 def test_printed_parameter_count(name, target, corpus, tmp_path):
     # the gpt2 tokenizer's file can't be fetched offline: borrow the tiny corpus, with the vocabulary
     # the configs have on GPT-2 tokens (50,257 rounded up to 50,304)
