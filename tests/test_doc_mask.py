@@ -102,3 +102,17 @@ def test_doc_mask_needs_data_that_names_its_separator(tmp_path, corpus):
         (raw / f"{split}.bin").write_bytes(torch.randint(0, 256, (4096,), dtype=torch.int16).numpy().tobytes())
     result = run_trainer(str(tmp_path), check=False, doc_mask=True, data_path=str(raw), data_source=None, max_iters=1)
     assert result.returncode == 2 and "error: doc_mask needs the token that separates documents" in result.stderr
+
+
+def test_the_varlen_call_keeps_the_layouts_through_forward_and_backward():
+    """doc_mask's CUDA path (one varlen flash call: its kernels run on CUDA only, tests/test_gpu.py)
+    on the meta device: the rows laid end to end and back, grouped key/value heads as they are, the
+    log-sum-exp the ring merges as (B, heads, T)."""
+    from fsdp_gpt.attention import VarlenAttention, varlen_forward
+    q = torch.randn(2, 4, 16, 8, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(2, 2, 16, 8, device="meta", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    bounds = torch.tensor([0, 5, 16, 20, 32], dtype=torch.int32, device="meta")  # documents of 5, 11, 4, 12
+    out = VarlenAttention.apply(q, k, v, bounds, 0.0)
+    out.backward(torch.randn_like(out))
+    assert out.shape == q.shape and q.grad.shape == q.shape and k.grad.shape == v.grad.shape == k.shape
+    assert varlen_forward(q, k, v, bounds, 0.0)[1].shape == (2, 4, 16)
