@@ -1,5 +1,5 @@
-"""Export a checkpoint as a Hugging Face folder (needs `pip install transformers`): GPT2LMHeadModel
-for arch gpt2, LlamaForCausalLM for llama, Qwen3ForCausalLM for llama with qk_norm.
+"""Export a checkpoint as a Hugging Face folder (needs `pip install transformers`): its family's
+class (fsdp_gpt/families.py: GPT2LMHeadModel, LlamaForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM).
 
 python export_hf.py CHECKPOINT OUT_DIR [--dtype fp32|bf16] [--max_shard_size 5GB]
 
@@ -26,7 +26,7 @@ from fsdp_gpt.config import UserError, exit_code
 from fsdp_gpt.data.tokenizer import ByteTokenizer, HFTokenizer, get_tokenizer
 from fsdp_gpt.files import read_json
 from fsdp_gpt.checkpoint.ckpt_format import read_model
-from fsdp_gpt.hf_format import fused_like, hf_architecture, hf_config, to_hf
+from fsdp_gpt.hf_format import fused_like, hf_config, to_hf
 from fsdp_gpt.model import GPTConfig
 
 def oniguruma_pattern(pattern: str) -> str:
@@ -147,7 +147,7 @@ def export(checkpoint: str, out_dir: str, dtype: str = "fp32", max_shard_size: s
     # a fresh dict: AutoConfig took `keys` and wrote into its rope_scaling
     add_legacy_keys(os.path.join(out_dir, "config.json"), hf_config(cfg, tokenizer.eot_token), dtype)
     save_tokenizer(tokenizer, out_dir, cfg.block_size)
-    print(f"wrote {out_dir}/ ({hf_architecture(cfg)} in {dtype}, tokenizer files of '{ckpt['config']['tokenizer']}') "
+    print(f"wrote {out_dir}/ ({cfg.family.hf_class} in {dtype}, tokenizer files of '{ckpt['config']['tokenizer']}') "
           f"from {checkpoint}, step {ckpt['step']}")
 
 

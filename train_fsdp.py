@@ -125,8 +125,7 @@ def train(cfg) -> int:
     mc_sets = load_mc_sets(cfg, topo)
     if topo.is_main:
         describe_run(cfg, topo, accum_steps, dtype)
-    model = build_model(cfg, GPTConfig(**cfg.model_shape, dropout=cfg.dropout, zero_init_proj=cfg.zero_init_proj,
-                                       moe_aux_loss=cfg.moe_aux_loss), topo)
+    model = build_model(cfg, GPTConfig.of(cfg), topo)
     gpt = getattr(model, "module", model)  # the GPT under a DDP wrapper; FSDP2 keeps the module itself
     optimizer = build_optimizer(cfg, gpt, device)
     ckpt = CheckpointManager(cfg, topo)

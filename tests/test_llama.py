@@ -57,9 +57,9 @@ def test_transformers_computes_the_same_logits_and_the_folder_reads_back(options
 
 @pytest.mark.parametrize("options, key", [
     (dict(arch="llama", logit_softcap=30.0), "logit_softcap: 30.0: LlamaForCausalLM has no logit soft cap"),
-    (dict(arch="llama", mlp="relu2"), "mlp: relu2 with arch: llama: LlamaForCausalLM's MLP is gated (SwiGLU)"),
-    (dict(arch="llama", qk_norm=True, mlp="gelu"), "mlp: gelu with arch: llama: Qwen3ForCausalLM's MLP is gated"),
-    (dict(arch="gpt2", mlp="swiglu"), "mlp: swiglu with arch: gpt2: GPT2LMHeadModel's MLP is not gated"),
+    (dict(arch="llama", mlp="relu2"), "mlp: relu2: LlamaForCausalLM computes swiglu MLPs only"),
+    (dict(arch="llama", qk_norm=True, mlp="gelu"), "mlp: gelu: Qwen3ForCausalLM computes swiglu MLPs only"),
+    (dict(arch="gpt2", mlp="swiglu"), "mlp: swiglu: GPT2LMHeadModel computes gelu or relu2 MLPs only"),
     (dict(arch="gpt2", value_embeds=1), "value_embeds: 1: GPT2LMHeadModel has no value embeddings"),
 ])
 def test_what_hugging_face_cannot_express_is_refused_naming_the_key(options, key):

@@ -109,8 +109,8 @@ def test_the_bias_moves_towards_the_mean_load_and_checkpointing_keeps_the_shares
 
 
 @pytest.mark.parametrize("options, refusal", [
-    (dict(qk_norm=True, moe_shared=1), "moe_shared: 1 with moe_experts: Qwen3MoeForCausalLM has no shared experts"),
-    (dict(qk_norm=True, moe_score="sigmoid"), "moe_score: sigmoid with moe_experts: Qwen3MoeForCausalLM scores experts by"),
+    (dict(qk_norm=True, moe_shared=1), "moe_shared: 1: Qwen3MoeForCausalLM has no shared experts"),
+    (dict(qk_norm=True, moe_score="sigmoid"), "moe_score: sigmoid: Qwen3MoeForCausalLM scores experts by"),
     (dict(qk_norm=True), "moe_bias_rate trained a selection bias"),
 ])
 def test_what_qwen3_moe_cannot_express_is_refused(options, refusal):
@@ -304,7 +304,7 @@ def test_the_tools_read_an_moe_checkpoint(runs, corpus, tmp_path):
     text = tool("sample.py", checkpoint, "--max_new_tokens", "16", "--seed", "1")
     assert text.strip() and text == tool("sample.py", checkpoint, "--max_new_tokens", "16", "--seed", "1")
     refused = launch([os.path.join(ROOT, "export_hf.py"), checkpoint, str(tmp_path / "hf")], ROOT)
-    assert_one_line_error(refused, "qk_norm: False with moe_experts: Qwen3MoeForCausalLM normalises q and k")
+    assert_one_line_error(refused, "qk_norm: False: Qwen3MoeForCausalLM normalises q and k")
     other = run_trainer(str(tmp_path), resume_from=checkpoint, check=False, **(MOE | corpus | dict(moe_experts=8)))
     assert_one_line_error(other, "has moe_experts=4 but the config has moe_experts=8", "--moe_experts=4")
 
