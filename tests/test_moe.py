@@ -91,7 +91,7 @@ def test_the_bias_moves_towards_the_mean_load_and_checkpointing_keeps_the_shares
     model(x)
     model(x)
     balance.step()
-    once = balance.load.clone()
+    once = balance.shares.clone()
     assert once.sum().item() == pytest.approx(1.0) and list(balance.layers) == [1]
     bias = model.blocks[1].mlp.expert_bias
     assert torch.equal(bias, 0.01 * torch.sign(0.25 - once[0]))  # under the mean load: up; over it: down
@@ -101,7 +101,7 @@ def test_the_bias_moves_towards_the_mean_load_and_checkpointing_keeps_the_shares
     for _ in range(2):
         model(x, x)[1].backward()
     balance.step()
-    assert torch.equal(balance.load, once)
+    assert torch.equal(balance.shares, once)
     figures = balance.scalars()
     assert figures["moe/layer1/busiest"] == pytest.approx(4 * once.max().item())
     assert figures["moe/layer1/bias_range"] == pytest.approx((bias.max() - bias.min()).item())
