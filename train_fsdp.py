@@ -22,6 +22,7 @@ from fsdp_gpt.data.run_data import open_loader, settle_data
 from fsdp_gpt.distributed.context_parallel import swaps_attention
 from fsdp_gpt.distributed.launch import Topology, agree, init_distributed, run_entry_point
 from fsdp_gpt.distributed.parallelize import build_model, forward_context, micro_steps
+from fsdp_gpt.distributed.shards import full_tensor
 from fsdp_gpt.distributed.precision import check_offload, compute_dtype
 from fsdp_gpt.evaluation.in_training import evaluate, load_mc_sets
 from fsdp_gpt.hf_format import define_model
@@ -167,8 +168,7 @@ def train(cfg) -> int:
             times.end()
             profiling.end(step)
             if due(step, cfg.log_interval, cfg):
-                grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-                log.train(step, loss.item(), lr, grad_norm.item(), per_rank_stats(model, optimizer, device, times.row()),
+                log.train(step, loss.item(), lr, full_tensor(grad_norm).item(), per_rank_stats(model, optimizer, device, times.row()),
                           guard.skipped_steps(), loader.scalars(step) | balance.scalars(), spikes.since_last_log(),
                           spikes.total())
                 guard.stop_if_too_many(loader.position(step), ckpt.last_saved)

@@ -14,7 +14,7 @@ from conftest import ROOT
 PACKAGE = os.path.join(ROOT, "fsdp_gpt")
 ENTRY_POINTS = ["train_fsdp.py", "sample.py", "evaluate.py", "export_hf.py", "data.py", "consolidate.py"]
 # lowest first: a module imports from lower layers and from its own group, never from above or beside
-LAYERS = [("families",), ("config", "model"), ("files",), ("hf_format", "resilience"), ("distributed",),
+LAYERS = [("families", "compat"), ("config", "model"), ("files",), ("hf_format", "resilience"), ("distributed",),
           ("data", "optim", "observe"), ("evaluation", "checkpoint")]
 LAYER_OF = {group: i for i, groups in enumerate(LAYERS) for group in groups}
 
@@ -76,7 +76,7 @@ def test_layers_import_downwards():
 def test_model_is_plain_pytorch(module):
     """The model's files import torch, not torch.distributed, and of the project only each other."""
     assert {name for name in imports(os.path.join(PACKAGE, module)) if name.startswith(("fsdp_gpt", "torch.distributed"))} \
-        <= {"fsdp_gpt.moe", "fsdp_gpt.attention", "fsdp_gpt.loss", "fsdp_gpt.model_keys"}
+        <= {"fsdp_gpt.moe", "fsdp_gpt.attention", "fsdp_gpt.loss", "fsdp_gpt.model_keys", "fsdp_gpt.compat"}
 
 
 @pytest.mark.parametrize("module", ["families.py", "model_keys.py"])

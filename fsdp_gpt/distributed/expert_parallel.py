@@ -108,7 +108,5 @@ def shard_experts(moe: MoE, topo: Topology, reshard: bool, shard_args: dict) -> 
     unit = fully_shard(moe.experts, reshard_after_forward=reshard,
                        **(shard_args | dict(mesh=topo.expert_mesh[EXPERT_FSDP_DIMS[topo.mesh.ndim]])))
     unit.set_gradient_divide_factor(topo.world_size)
-    # gloo sums (parallelize.py says why), but where no rank shares these experts (ep_size = the
-    # shard group): nothing is reduce-scattered there, and torch 2.13 divides a forced sum of a group
-    # of one twice (in the copy it makes instead, and after it); unforced, the copy divides once
-    unit.set_force_sum_reduction_for_comms(topo.device.type != "cuda" and topo.expert_mesh["efsdp"].size() > 1)
+    # not where no rank shares these experts (ep_size = the shard group): a group of one
+    average_over_gloo(unit, topo.device, reduces=topo.expert_mesh["efsdp"].size() > 1)

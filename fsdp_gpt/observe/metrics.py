@@ -10,8 +10,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from fsdp_gpt.compat import all_gather_flat
 from fsdp_gpt.distributed.shards import local_slice
-from fsdp_gpt.distributed.compat import all_gather_flat
 from fsdp_gpt.observe.peak_flops import cpu_peak_flops, gpu_peak_flops
 from fsdp_gpt.observe.step_times import COLUMNS as TIME_COLUMNS
 from fsdp_gpt.observe.wandb_log import WandbRun

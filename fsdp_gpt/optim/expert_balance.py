@@ -8,14 +8,9 @@ figure of its layer alike. What the log shows comes from here too.
 import torch
 import torch.distributed as dist
 
-from fsdp_gpt.distributed.shards import local_slice
+from fsdp_gpt.distributed.shards import full_tensor, local_slice
 from fsdp_gpt.model import GPT
 from fsdp_gpt.moe import MoE
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor of a parameter FSDP shards (a collective: every rank calls it)."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 class ExpertBalance:
@@ -52,7 +47,7 @@ class ExpertBalance:
         if not self.layers or self.shares is None:
             return {}
         experts = self.shares.shape[-1]
-        biases = torch.stack([_full(moe.expert_bias).to(self.shares.device) for moe in self.layers.values()])
+        biases = torch.stack([full_tensor(moe.expert_bias).to(self.shares.device) for moe in self.layers.values()])
         figures = {"busiest": self.shares.max(-1).values * experts, "idle": (self.shares == 0).float().mean(-1),
                    "bias_range": biases.max(-1).values - biases.min(-1).values, "aux_loss": self.aux}
         names, rows = list(figures), torch.stack(list(figures.values()), dim=-1).tolist()
