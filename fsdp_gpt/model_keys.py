@@ -17,8 +17,9 @@ def key(default, meaning: str, shape: bool = True):
 
 @dataclass
 class ModelKeys:
-    arch: str = key("gpt2", "gpt2 (LayerNorm, learned positions, GELU, tied head) or llama (RMSNorm, RoPE, "
-                            "SwiGLU, grouped-query attention)")
+    arch: str = key("gpt2", "the layout, as fsdp_gpt/families.py names it: gpt2 (LayerNorm, learned positions, GELU, "
+                            "tied head) or llama (RMSNorm, RoPE, SwiGLU, grouped-query attention; Qwen3's with qk_norm, "
+                            "Qwen3-MoE's with experts); docs/models.md lists the families")
     vocab_size: int | None = key(None, "embedding rows; null: the data's vocabulary (or the tokenizer's), rounded "
                                        "up to a multiple of 64")
     block_size: int = key(1024, "tokens per sequence (the context length)")
@@ -27,7 +28,7 @@ class ModelKeys:
     n_embd: int = key(768, "model width")
     dropout: float = key(0.0, "dropout rate after embeddings, in attention and after each sublayer (0: none)",
                          shape=False)
-    bias: bool = key(True, "gpt2: biases in Linear and LayerNorm layers (llama has none)")
+    bias: bool = key(True, "biases in Linear and LayerNorm layers, in a family that has them (gpt2; llama has none)")
     n_kv_head: int | None = key(None, "llama: key/value heads (grouped-query attention), dividing n_head; null: "
                                       "n_head")
     head_dim: int | None = key(None, "llama: width of each attention head; null: n_embd / n_head (Qwen3 sets its "
@@ -37,12 +38,12 @@ class ModelKeys:
                                           "low_freq_factor, high_freq_factor, original_max_position_embeddings}; "
                                           "null: plain RoPE")
     qk_norm: bool = key(False, "llama: RMSNorm of each head's q and k (Qwen3; exports as Qwen3ForCausalLM)")
-    tie_embeddings: bool | None = key(None, "LM head shares the token embedding; null: true for gpt2, false for "
-                                            "llama")
+    tie_embeddings: bool | None = key(None, "LM head shares the token embedding; null: the family's (true for gpt2, "
+                                            "false for llama)")
     ffn_hidden: int | None = key(None, "MLP width; null: 8/3 n_embd rounded up to 256 (swiglu), else 4 n_embd")
     norm_eps: float = key(1e-5, "epsilon of LayerNorm / RMSNorm")
-    mlp: str | None = key(None, "the MLP: gelu, swiglu (gated) or relu2 (relu(x)^2); null: gelu for gpt2, swiglu "
-                                "for llama")
+    mlp: str | None = key(None, "the MLP: gelu, swiglu (gated) or relu2 (relu(x)^2); null: the family's (gelu for "
+                                "gpt2, swiglu for llama)")
     logit_softcap: float | None = key(None, "squash logits into (-cap, cap) with cap * tanh(logits / cap), in fp32; "
                                             "null: off")
     zero_init_proj: bool = key(False, "attention and MLP output projections start at zero", shape=False)
