@@ -6,7 +6,6 @@ import math
 import os
 
 import pytest
-import torch
 
 from conftest import checkpoint_of, evaluated, hf_val_loss, launcher_once, run_trainer, scalars, tool
 from fsdp_gpt.hf_format import read_hf_folder
