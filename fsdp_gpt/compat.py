@@ -5,7 +5,10 @@ distributed code how to gather and reduce."""
 import torch
 import torch.distributed as dist
 
-TORCH_VERSION = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])  # (2, 13)
+
+def torch_version() -> tuple[int, int]:
+    """(major, minor) of the running torch, (2, 13) for 2.13.0+cpu: read at each call (tests stand another in)."""
+    return tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
 
 
 def all_gather_flat(output, tensor, group=None) -> None:
@@ -17,7 +20,7 @@ def all_gather_flat(output, tensor, group=None) -> None:
 
 def grouped_mm_on_cpu() -> bool:
     """Whether torch._grouped_mm has a CPU kernel: from torch 2.13 (2.8 has none)."""
-    return TORCH_VERSION >= (2, 13)
+    return torch_version() >= (2, 13)
 
 
 def average_over_gloo(unit, device: torch.device, reduces: bool = True) -> None:
@@ -38,4 +41,4 @@ def flight_recorder_buffer_variable() -> str:
     """The variable that sizes NCCL's flight recorder. torch 2.11 warns at every process group made
     while the old name is set (seen on an H200, 2026-11-26); 2.8 reads only the old one (its new
     name then was TORCH_TRACE_BUFFER_SIZE), so before 2.11 the old name stays."""
-    return "TORCH_FR_BUFFER_SIZE" if TORCH_VERSION >= (2, 11) else "TORCH_NCCL_TRACE_BUFFER_SIZE"
+    return "TORCH_FR_BUFFER_SIZE" if torch_version() >= (2, 11) else "TORCH_NCCL_TRACE_BUFFER_SIZE"

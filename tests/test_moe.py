@@ -12,7 +12,7 @@ import fsdp_gpt.moe as moe_module
 from conftest import (ROOT, assert_quiet, checkpoint_of, evaluated, hf_val_loss, launch, launcher_once, run_trainer,
                       scalars, stderr_of, tool)
 from test_bad_input import assert_one_line_error
-from fsdp_gpt.compat import TORCH_VERSION
+from fsdp_gpt.compat import torch_version
 from fsdp_gpt.config import UserError
 from fsdp_gpt.hf_format import hf_config, hf_model_keys, to_hf
 from fsdp_gpt.model import GPT, GPTConfig
@@ -51,7 +51,7 @@ def test_every_token_to_two_experts_and_the_grouped_matmul_equals_one_per_expert
     with torch.no_grad():
         moe.expert_bias.copy_(torch.tensor([10.0, 10.0, 0.0, 0.0]))  # selection only: the weights stay the scores'
     x = torch.randn(2, 8, 32)
-    assert moe_module.grouped_mm_runs(x, moe.experts.c_fc) == (TORCH_VERSION >= (2, 13))
+    assert moe_module.grouped_mm_runs(x, moe.experts.c_fc) == (torch_version() >= (2, 13))
     results = []
     for per_expert in (False, True):
         if per_expert:
