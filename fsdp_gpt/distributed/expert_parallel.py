@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
+from fsdp_gpt.compat import average_over_gloo
 from fsdp_gpt.distributed.launch import Topology
 from fsdp_gpt.model import GPT
 from fsdp_gpt.moe import MoE, GroupedExperts
