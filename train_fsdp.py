@@ -18,10 +18,11 @@ from fsdp_gpt.config_parse import parse_args
 from fsdp_gpt.config_help import help_text
 from fsdp_gpt.data.loader import BatchLoader
 from fsdp_gpt.data.prepare import prepare_sources
-from fsdp_gpt.data.run_data import open_loader, settle_data, data_state
+from fsdp_gpt.data.run_data import open_loader, settle_data
 from fsdp_gpt.distributed.context_parallel import swaps_attention
 from fsdp_gpt.distributed.launch import Topology, agree, init_distributed, run_entry_point
 from fsdp_gpt.distributed.parallelize import build_model, forward_context, micro_steps
+from fsdp_gpt.distributed.shards import full_tensor
 from fsdp_gpt.distributed.precision import check_offload, compute_dtype
 from fsdp_gpt.evaluation.in_training import evaluate, load_mc_sets
 from fsdp_gpt.hf_format import define_model
@@ -30,7 +31,7 @@ from fsdp_gpt.observe.metrics import ProgressLog, per_rank_stats
 from fsdp_gpt.observe.profiling import Profiling
 from fsdp_gpt.observe.spikes import SpikeDetector, check_skip
 from fsdp_gpt.observe.step_times import StepTimes
-from fsdp_gpt.observe.wandb_log import run_id
+from fsdp_gpt.observe.wandb_log import WandbRunId
 from fsdp_gpt.optim.build import build_optimizer
 from fsdp_gpt.optim.clip import clip_gradients
 from fsdp_gpt.optim.expert_balance import ExpertBalance
@@ -97,11 +98,6 @@ def forward_backward(model, loader: BatchLoader, step: int, accum_steps: int, ti
     return loss_sum / (accum_steps * world)
 
 
-def run_state(loader: BatchLoader, step: int, spikes: SpikeDetector, balance: ExpertBalance, wandb_id: str | None) -> dict:
-    """The loop's state a checkpoint keeps beside the weights (fsdp_ckpt.py: train_state)."""
-    return {"data": data_state(loader, step), "spikes": spikes.state(), "moe": balance.state(), "wandb_run_id": wandb_id}
-
-
 def due(step: int, interval: int, cfg) -> bool:
     """Whether an every-`interval`-steps event (a log line, an eval, a save) falls on `step`: the last step has each."""
     return step % interval == 0 or step == cfg.max_iters
@@ -125,21 +121,20 @@ def train(cfg) -> int:
     mc_sets = load_mc_sets(cfg, topo)
     if topo.is_main:
         describe_run(cfg, topo, accum_steps, dtype)
-    model = build_model(cfg, GPTConfig(**cfg.model_shape, dropout=cfg.dropout, zero_init_proj=cfg.zero_init_proj,
-                                       moe_aux_loss=cfg.moe_aux_loss), topo)
+    model = build_model(cfg, GPTConfig.of(cfg), topo)
     gpt = getattr(model, "module", model)  # the GPT under a DDP wrapper; FSDP2 keeps the module itself
     optimizer = build_optimizer(cfg, gpt, device)
     ckpt = CheckpointManager(cfg, topo)
     watchdog.arm("the resume")
     step = ckpt.resume(cfg.resume_from, model, optimizer)
-    loader = open_loader(cfg, sources, topo, ckpt.train_state, step)
-    wandb_id = run_id(cfg, ckpt.train_state)
-    log = agree(lambda: ProgressLog(topo.is_main, cfg, cfg.train_batch * cfg.block_size, gpt.flops_per_token(), device,
-                                    dtype, topo.world_size, resumed_at=step, wandb_id=wandb_id))
+    loader = open_loader(cfg, sources, topo, step)
     spikes = SpikeDetector(device, cfg.spike_zscore, cfg.spike_window)
-    spikes.load(ckpt.train_state.get("spikes"))
     balance = ExpertBalance(gpt, cfg.moe_bias_rate, device)  # the experts' loads (and biases) after each step
-    balance.load_state(ckpt.train_state.get("moe"), device)
+    wandb_run = WandbRunId(cfg)
+    # what every checkpoint keeps beside the weights, each under its name (the names old checkpoints hold)
+    ckpt.keep(data=loader, spikes=spikes, moe=balance, wandb_run_id=wandb_run)
+    log = agree(lambda: ProgressLog(topo.is_main, cfg, cfg.train_batch * cfg.block_size, gpt.flops_per_token(), device,
+                                    dtype, topo.world_size, resumed_at=step, wandb_id=wandb_run.id))
     times = StepTimes(device)
     profiling = Profiling(cfg, rank, device, watchdog.arm)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
@@ -173,15 +168,14 @@ def train(cfg) -> int:
             times.end()
             profiling.end(step)
             if due(step, cfg.log_interval, cfg):
-                grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-                log.train(step, loss.item(), lr, grad_norm.item(), per_rank_stats(model, optimizer, device, times.row()),
-                          guard.skipped_steps(), loader.read(step) | balance.scalars(), spikes.since_last_log(),
+                log.train(step, loss.item(), lr, full_tensor(grad_norm).item(), per_rank_stats(model, optimizer, device, times.row()),
+                          guard.skipped_steps(), loader.scalars(step) | balance.scalars(), spikes.since_last_log(),
                           spikes.total())
                 guard.stop_if_too_many(loader.position(step), ckpt.last_saved)
             if request := stop.agreed():
                 # the checkpoint first, no eval or text sample: the grace period before SIGKILL is short
                 watchdog.arm(f"the save of step {step}")
-                ckpt.save(step, model, optimizer, run_state(loader, step, spikes, balance, wandb_id))
+                ckpt.save(step, model, optimizer)
                 if topo.is_main:
                     print(f"{request}: stopped after step {step} with its checkpoint saved", flush=True)
                 break
@@ -191,7 +185,7 @@ def train(cfg) -> int:
                 log.start(step)  # tokens/s and ETA count training time only
             if due(step, cfg.save_interval, cfg):
                 watchdog.arm(f"the save of step {step}")
-                ckpt.save(step, model, optimizer, run_state(loader, step, spikes, balance, wandb_id))
+                ckpt.save(step, model, optimizer)
                 log.start(step)
     profiling.close()
     watchdog.arm("the last save")

@@ -17,6 +17,7 @@ from fsdp_gpt.checkpoint.fsdp_ckpt import CheckpointManager  # noqa: E402
 from fsdp_gpt.model import GPTConfig  # noqa: E402
 from fsdp_gpt.distributed.launch import init_distributed, run_entry_point  # noqa: E402
 from fsdp_gpt.distributed.parallelize import build_model  # noqa: E402
+from fsdp_gpt.distributed.shards import full_tensor  # noqa: E402
 from fsdp_gpt.optim.build import build_optimizer  # noqa: E402
 
 REPEATS = 3
@@ -57,8 +58,8 @@ def main(argv):
                 print(f"{kind:<8} {'async' if async_save else 'sync':<6} {statistics.median(stalls):>12.3f} "
                       f"{size / 1e6 / statistics.median(totals):>10.0f} {size / 1e6 / load:>10.0f}")
         # the baseline: the same tensors, plain torch.save / torch.load
-        plain = {"model": {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()},
-                 "optimizer": {i: {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in s.items()}
+        plain = {"model": {k: full_tensor(v) for k, v in model.state_dict().items()},
+                 "optimizer": {i: {k: full_tensor(v) for k, v in s.items()}
                                for i, s in enumerate(optimizer.state.values())}}
         path = os.path.join(tmp, "plain.pth")
         save = statistics.median(timed(lambda: torch.save(plain, path)) for _ in range(REPEATS))

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import yaml
 
+from fsdp_gpt.families import ARCHS, FAMILIES, LLAMA3_SCALING
+from fsdp_gpt.model_keys import ModelKeys, key
 
 class UserError(Exception):
     """Bad input from the user: reported as one line and exit 2, never a traceback."""
@@ -39,66 +41,17 @@ LR_SCHEDULES = ("cosine", "wsd", "constant")
 DECAY_SHAPES = ("linear", "1-sqrt")
 CP_MODES = ("ulysses", "ring")
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
-# arch first: a checkpoint of the other layout is reported as that, not as its first consequence (bias)
-MODEL_SHAPE_KEYS = ("arch", "vocab_size", "block_size", "n_layer", "n_head", "n_embd", "bias", "n_kv_head",
-                    "rope_theta", "rope_scaling", "qk_norm", "tie_embeddings", "ffn_hidden", "norm_eps", "mlp", "logit_softcap", "value_embeds", "head_dim",
-                    "moe_experts", "moe_top_k", "moe_hidden", "moe_shared", "moe_dense_layers", "moe_score", "moe_norm_top_k")
 MLPS = ("gelu", "swiglu", "relu2")
 MUON_COEFFICIENTS = ("quintic", "polar_express")
-ARCHS = ("gpt2", "llama")
 MOE_SCORES = ("softmax", "sigmoid")
 # the strategies expert parallelism builds on: the experts sharded over what the expert groups leave
 EP_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
 
 
-def key(default, meaning: str):
-    """A config key: its default and a one-line meaning (train_fsdp.py --help, docs/config.md)."""
-    return dataclasses.field(default=default, metadata={"meaning": meaning})
-
-
 @dataclass
-class TrainConfig:
-    """Defaults: GPT-2 small (124M) on 0.5M-token steps. Groups start where GROUPS says."""
-    arch: str = key("gpt2", "gpt2 (LayerNorm, learned positions, GELU, tied head) or llama (RMSNorm, RoPE, "
-                            "SwiGLU, grouped-query attention)")
-    vocab_size: int | None = key(None, "embedding rows; null: the data's vocabulary (or the tokenizer's), rounded "
-                                       "up to a multiple of 64")
-    block_size: int = key(1024, "tokens per sequence (the context length)")
-    n_layer: int = key(12, "DecoderBlocks (each is one FSDP unit)")
-    n_head: int = key(12, "attention (query) heads; must divide n_embd")
-    n_embd: int = key(768, "model width")
-    dropout: float = key(0.0, "dropout rate after embeddings, in attention and after each sublayer (0: none)")
-    bias: bool = key(True, "gpt2: biases in Linear and LayerNorm layers (llama has none)")
-    n_kv_head: int | None = key(None, "llama: key/value heads (grouped-query attention), dividing n_head; null: "
-                                      "n_head")
-    head_dim: int | None = key(None, "llama: width of each attention head; null: n_embd / n_head (Qwen3 sets its "
-                                     "own)")
-    rope_theta: float = key(10000.0, "llama: RoPE base")
-    rope_scaling: dict | None = key(None, "llama: Llama 3.1's RoPE frequency scaling, {rope_type: llama3, factor, "
-                                          "low_freq_factor, high_freq_factor, original_max_position_embeddings}; "
-                                          "null: plain RoPE")
-    qk_norm: bool = key(False, "llama: RMSNorm of each head's q and k (Qwen3; exports as Qwen3ForCausalLM)")
-    tie_embeddings: bool | None = key(None, "LM head shares the token embedding; null: true for gpt2, false for "
-                                            "llama")
-    ffn_hidden: int | None = key(None, "MLP width; null: 8/3 n_embd rounded up to 256 (swiglu), else 4 n_embd")
-    norm_eps: float = key(1e-5, "epsilon of LayerNorm / RMSNorm")
-    mlp: str | None = key(None, "the MLP: gelu, swiglu (gated) or relu2 (relu(x)^2); null: gelu for gpt2, swiglu "
-                                "for llama")
-    logit_softcap: float | None = key(None, "squash logits into (-cap, cap) with cap * tanh(logits / cap), in fp32; "
-                                            "null: off")
-    zero_init_proj: bool = key(False, "attention and MLP output projections start at zero")
-    value_embeds: int = key(0, "the first N blocks mix an embedding of the input tokens into attention's values "
-                               "(a vocab_size-row table each)")
-    moe_experts: int = key(0, "llama: routed experts in each MoE MLP, which replaces the dense one (0: dense; "
-                              "docs/models.md)")
-    moe_top_k: int = key(2, "MoE: experts each token is routed to (every token reaches them: dropless)")
-    moe_hidden: int | None = key(None, "MoE: each expert's hidden width; null: ffn_hidden / moe_top_k")
-    moe_shared: int = key(0, "MoE: shared experts that see every token (one MLP moe_shared x moe_hidden wide)")
-    moe_dense_layers: int = key(0, "MoE: the first N blocks keep a dense MLP (DeepSeek-V3)")
-    moe_score: str = key("softmax", "MoE: the router's scores, softmax (Qwen3, OLMoE) or sigmoid (DeepSeek-V3)")
-    moe_norm_top_k: bool = key(True, "MoE: renormalise the chosen experts' weights to sum to 1")
-    moe_aux_loss: float = key(0.0, "MoE: the load-balancing loss's coefficient (Qwen3's router_aux_loss_coef; 0: "
-                                   "off)")
+class TrainConfig(ModelKeys):
+    """The model's keys (model_keys.py), then the run's. Defaults: GPT-2 small (124M) on 0.5M-token
+    steps. Groups start where config_help.GROUPS says."""
     moe_bias_rate: float = key(0.0, "MoE: auxiliary-loss-free balancing, each expert's selection bias moved this much "
                                     "a step towards the mean load (DeepSeek-V3; 0: off)")
     init_from: str | None = key(None, "a Hugging Face folder (GPT-2, Llama, Qwen3 safetensors) to start from "
@@ -203,10 +156,6 @@ class TrainConfig:
     collective_timeout: float = key(300.0, "seconds any other training step, its collectives included, may take "
                                            "before the run stops as hung, naming the ranks that did not arrive")
 
-    @property
-    def model_shape(self) -> dict:
-        return {k: getattr(self, k) for k in MODEL_SHAPE_KEYS}
-
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 def named_paths(paths: list[str]) -> dict[str, str]:
@@ -231,31 +180,26 @@ def validate_model(cfg: TrainConfig) -> None:
     """The model's keys, and the others' checks that read them."""
     for key in ("n_layer", "n_head", "n_embd"):
         require(getattr(cfg, key) > 0, f"config key '{key}' must be positive, got {getattr(cfg, key)}")
+    require(cfg.arch in ARCHS, f"arch '{cfg.arch}' is not one of {', '.join(ARCHS)}")
+    for key, value in cfg.foreign_keys().items():  # e.g. qk_norm with GPT-2's layout
+        archs = dict.fromkeys(family.arch for family in FAMILIES if key in family.takes)
+        raise UserError(f"{key}={value} needs arch: {' or '.join(archs)} ({cfg.family.name} takes no {key})")
     require(cfg.head_dim is not None or cfg.n_embd % cfg.n_head == 0,
             f"n_head={cfg.n_head} must divide n_embd={cfg.n_embd}: pick n_embd as a multiple of n_head")
-    require(cfg.head_dim is None or (cfg.head_dim > 0 and cfg.arch == "llama"),
-            f"head_dim={cfg.head_dim} must be positive and needs arch: llama (GPT-2's heads split n_embd)")
-    require(cfg.arch in ARCHS, f"arch '{cfg.arch}' is not one of {', '.join(ARCHS)}")
-    if cfg.arch == "gpt2":
-        require(cfg.n_kv_head in (None, cfg.n_head) and not cfg.qk_norm and cfg.tie_embeddings in (None, True),
-                "n_kv_head, qk_norm and tie_embeddings: false need arch: llama (GPT-2 has none of them)")
-    else:
-        require(cfg.n_kv_head is None or (cfg.n_kv_head > 0 and cfg.n_head % cfg.n_kv_head == 0),
-                f"n_kv_head={cfg.n_kv_head} must divide n_head={cfg.n_head} (each key/value head serves "
-                f"n_head / n_kv_head query heads)")
-        head_dim = cfg.head_dim or cfg.n_embd // cfg.n_head
-        require(head_dim % 2 == 0, f"head dimension {'n_embd / n_head = ' * (cfg.head_dim is None)}{head_dim} must be "
-                                   f"even for RoPE")
+    require(cfg.head_dim is None or cfg.head_dim > 0, f"head_dim must be positive, got {cfg.head_dim}")
+    require(cfg.n_kv_head is None or (cfg.n_kv_head > 0 and cfg.n_head % cfg.n_kv_head == 0),
+            f"n_kv_head={cfg.n_kv_head} must divide n_head={cfg.n_head} (each key/value head serves "
+            f"n_head / n_kv_head query heads)")
+    head_dim = cfg.head_dim or cfg.n_embd // cfg.n_head
+    require(cfg.family.positions != "rope" or head_dim % 2 == 0,
+            f"head dimension {'n_embd / n_head = ' * (cfg.head_dim is None)}{head_dim} must be even for RoPE")
     require(cfg.rope_theta > 0, f"rope_theta must be positive, got {cfg.rope_theta}")
-    require(cfg.rope_scaling is None or cfg.arch == "llama", "rope_scaling needs arch: llama (GPT-2 has no RoPE)")
     check_rope_scaling(cfg.rope_scaling, "rope_scaling")
     require(cfg.ffn_hidden is None or cfg.ffn_hidden > 0, f"ffn_hidden must be positive, got {cfg.ffn_hidden}")
     require(0 <= cfg.value_embeds <= cfg.n_layer, f"value_embeds must be 0 to n_layer={cfg.n_layer}, got {cfg.value_embeds}")
     require(cfg.mlp is None or cfg.mlp in MLPS, f"mlp '{cfg.mlp}' is not one of {', '.join(MLPS)}")
     require(cfg.logit_softcap is None or cfg.logit_softcap > 0,
             f"logit_softcap must be positive (or null: off), got {cfg.logit_softcap}")
-    if cfg.tie_embeddings is None:
-        cfg.tie_embeddings = cfg.arch == "gpt2"
     check_moe(cfg)
     check_context_parallel(cfg)
 
@@ -319,7 +263,7 @@ def validate_run(cfg: TrainConfig) -> None:
 
 
 def check_moe(cfg: TrainConfig) -> None:
-    """The mixture's keys: built for the Llama layout's SwiGLU experts."""
+    """The mixture's keys (the families that take moe_experts: families.py): SwiGLU experts."""
     require(cfg.ep_size == 1 or cfg.moe_experts, f"ep_size={cfg.ep_size} splits a mixture's experts over ranks, and "
                                                  f"moe_experts: 0 is a dense model: ep_size must be 1")
     if cfg.ep_size > 1 and cfg.reduce_dtype == "fp16":
@@ -333,8 +277,8 @@ def check_moe(cfg: TrainConfig) -> None:
             raise UserError(f"{', '.join(moe)} configure experts: set moe_experts (0 means a dense MLP)")
         return
     checks = ((cfg.moe_experts > 0, f"moe_experts must be 0 (dense) or more, got {cfg.moe_experts}"),
-              (cfg.arch == "llama" and cfg.mlp in (None, "swiglu"), "MoE layers are built for arch: llama with its "
-               "SwiGLU MLP (not GPT-2's layout, not mlp: gelu or relu2)"),
+              ((cfg.mlp or cfg.family.mlp) == "swiglu", f"MoE layers are built of SwiGLU experts: mlp: {cfg.mlp} "
+               f"has no MoE form"),
               (1 <= cfg.moe_top_k <= cfg.moe_experts, f"moe_top_k={cfg.moe_top_k} must be 1 to moe_experts={cfg.moe_experts}"),
               ((cfg.moe_hidden is None or cfg.moe_hidden > 0) and cfg.moe_shared >= 0,
                f"moe_hidden must be positive (null: ffn_hidden / moe_top_k), moe_shared 0 or more: got {cfg.moe_hidden}, "
@@ -368,9 +312,6 @@ def check_context_parallel(cfg: TrainConfig) -> None:
         if value % cp:
             raise UserError(f"cp_size={cp} must divide {name}={value}: Ulysses splits each row's tokens and "
                             f"attention's heads over cp_size ranks (cp_mode: ring has no head-count limit)")
-
-
-LLAMA3_SCALING = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
 def check_rope_scaling(scaling: dict | None, where: str) -> None:

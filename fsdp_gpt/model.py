@@ -1,12 +1,10 @@
-"""A decoder in plain PyTorch, in two layouts: no distributed code lives here.
+"""A decoder in plain PyTorch: no distributed code lives here.
 
-arch "gpt2": pre-norm blocks, LayerNorm, tanh GELU, learned positions, LM head tied to the
-token embedding; maps one to one onto Hugging Face's GPT2LMHeadModel.
-arch "llama": RMSNorm, rotary positions (RoPE, the rotate_half convention), SwiGLU MLP,
-grouped-query attention, no biases, optionally RMSNorm of q and k per head (qk_norm); maps
-onto LlamaForCausalLM (Qwen3ForCausalLM with qk_norm).
-The two share one attention, one block and one model: the options are in GPTConfig, the
-speedrun recipe's among them (a ReLU^2 MLP, logit soft-capping, zero-initialised projections).
+One attention, one block and one model build every family (families.py): the entry names the
+norm, the positions (learned, as GPT-2's, or rotary, RoPE with the rotate_half convention), the MLP
+(tanh GELU or SwiGLU by default), the tying and the initialisation; the options are in GPTConfig,
+grouped-query attention, qk_norm (Qwen3), mixtures of experts and the speedrun recipe's among them
+(a ReLU^2 MLP, logit soft-capping, zero-initialised projections, value embeddings).
 """
 import math
 from dataclasses import dataclass
@@ -18,55 +16,32 @@ from torch.utils.checkpoint import checkpoint
 
 from fsdp_gpt.attention import Documents, causal_attention, sdpa_takes_gqa
 from fsdp_gpt.loss import chunked_cross_entropy, head_loss_chunk, per_position_cross_entropy
+from fsdp_gpt.model_keys import ModelKeys
 from fsdp_gpt.moe import MoE
 
 
 @dataclass
-class GPTConfig:
-    vocab_size: int = 50304  # GPT-2's 50257 rounded up to a multiple of 64 for fast matmuls
-    block_size: int = 1024
-    n_layer: int = 12
-    n_head: int = 12
-    n_embd: int = 768
-    dropout: float = 0.0
-    bias: bool = True  # gpt2 only: llama has no biases
-    arch: str = "gpt2"
-    n_kv_head: int | None = None  # llama: key/value heads (grouped-query attention); None: n_head
-    rope_theta: float = 10000.0
-    rope_scaling: dict | None = None  # Llama 3.1's {rope_type: llama3, factor, low/high_freq_factor, original ...}
-    qk_norm: bool = False
-    tie_embeddings: bool = True
-    ffn_hidden: int | None = None  # None: 4 n_embd (gpt2, relu2); swiglu: 8/3 n_embd rounded up to 256
-    norm_eps: float = 1e-5
-    mlp: str | None = None  # None: the arch's (gelu for gpt2, swiglu for llama); relu2: relu(x)^2, ungated
-    logit_softcap: float | None = None  # logits squashed into (-cap, cap) by cap * tanh(logits / cap)
-    zero_init_proj: bool = False  # output projections start at zero: each block starts as the identity
-    value_embeds: int = 0  # the first value_embeds blocks add an embedding of the input tokens to attention's v
-    head_dim: int | None = None  # None: n_embd // n_head (Qwen3 sets its own: heads x head_dim may differ from n_embd)
-    moe_experts: int = 0  # llama: routed experts per MoE MLP (0: dense MLPs)
-    moe_top_k: int = 2  # experts each token is routed to
-    moe_hidden: int | None = None  # each expert's hidden width; None: ffn_hidden / moe_top_k (the dense MLP's active width)
-    moe_shared: int = 0  # shared experts (one SwiGLU MLP moe_shared x moe_hidden wide) that see every token
-    moe_dense_layers: int = 0  # the first blocks keep a dense MLP (DeepSeek-V3)
-    moe_score: str = "softmax"  # the router's scores: softmax (Qwen3, OLMoE) or sigmoid (DeepSeek-V3)
-    moe_norm_top_k: bool = True  # the chosen experts' weights renormalised to sum to 1
-    moe_aux_loss: float = 0.0  # training: the load-balancing loss's coefficient (Qwen3's router_aux_loss_coef)
+class GPTConfig(ModelKeys):
+    """The model's keys (model_keys.py: their types, defaults and meanings), every null default
+    settled by the family as the model is described (ModelKeys.settled)."""
 
     def __post_init__(self):
-        self.n_kv_head = self.n_kv_head or self.n_head
-        if self.arch == "llama":
-            self.bias = False
-        self.mlp = self.mlp or ("gelu" if self.arch == "gpt2" else "swiglu")
-        if self.ffn_hidden is None:
-            self.ffn_hidden = 256 * -(-(8 * self.n_embd // 3) // 256) if self.mlp == "swiglu" else 4 * self.n_embd
-        self.head_dim = self.head_dim or self.n_embd // self.n_head
-        self.moe_hidden = self.moe_hidden or max(self.ffn_hidden // self.moe_top_k, 1)
+        for name, value in self.settled().items():
+            setattr(self, name, value)
+
+    @property
+    def qkv_widths(self) -> list[int]:
+        """The rows of q, k and v in attention's one matmul: n_head query heads, n_kv_head key and value heads."""
+        return [self.n_head * self.head_dim] + [self.n_kv_head * self.head_dim] * 2
+
+
+# the family's norm, at a width (the model's, or a head's for qk_norm)
+NORMS = {"layernorm": lambda cfg, width: nn.LayerNorm(width, eps=cfg.norm_eps, bias=cfg.bias),
+         "rmsnorm": lambda cfg, width: nn.RMSNorm(width, eps=cfg.norm_eps)}
 
 
 def norm(cfg: GPTConfig, width: int) -> nn.Module:
-    if cfg.arch == "gpt2":
-        return nn.LayerNorm(width, eps=cfg.norm_eps, bias=cfg.bias)
-    return nn.RMSNorm(width, eps=cfg.norm_eps)
+    return NORMS[cfg.family.norm](cfg, width)
 
 
 def llama3_scaled(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -102,14 +77,18 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
 
 
+# how a token's position reaches the model: (x, rope) from the token embeddings x at `positions`
+POSITIONS = {"learned": lambda model, x, positions: (x + model.wpe(positions), None),  # GPT-2's
+             "rope": lambda model, x, positions: (x, rotary(model.config, positions))}  # q and k rotated in attention
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig, layer: int):
         super().__init__()
         # replaceable from outside (context parallelism runs the core over a whole row split across ranks)
         self.core = causal_attention
-        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, cfg.head_dim
-        # q, k, v in one matmul: n_head query heads, n_kv_head key and value heads
-        self.c_attn = nn.Linear(cfg.n_embd, (cfg.n_head + 2 * cfg.n_kv_head) * cfg.head_dim, bias=cfg.bias)
+        self.n_head, self.n_kv_head, self.head_dim, self.qkv_widths = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.qkv_widths
+        self.c_attn = nn.Linear(cfg.n_embd, sum(cfg.qkv_widths), bias=cfg.bias)  # q, k, v in one matmul
         self.c_proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.n_embd, bias=cfg.bias)
         if cfg.qk_norm:  # Qwen3: RMSNorm of each head's q and k, before the rotation
             self.ln_q, self.ln_k = norm(cfg, cfg.head_dim), norm(cfg, cfg.head_dim)
@@ -122,7 +101,7 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 idx: torch.Tensor | None = None, docs: Documents | None = None) -> torch.Tensor:
         B, T, C = x.shape
-        q, k, v = self.c_attn(x).split([self.n_head * self.head_dim] + [self.n_kv_head * self.head_dim] * 2, dim=2)
+        q, k, v = self.c_attn(x).split(self.qkv_widths, dim=2)
         if hasattr(self, "value_embed"):
             v = self.value_mix[0] * v + self.value_mix[1] * self.value_embed(idx)
         # (B, T, heads * head_dim) -> (B, heads, T, head_dim)
@@ -192,7 +171,7 @@ class GPT(nn.Module):
         super().__init__()
         self.config = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        if cfg.arch == "gpt2":  # learned positions; llama rotates q and k instead
+        if cfg.family.positions == "learned":  # an embedding per position (POSITIONS)
             self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(DecoderBlock(cfg, layer) for layer in range(cfg.n_layer))
@@ -217,14 +196,14 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """GPT-2 initialisation; residual projections scaled by 1/sqrt(2 * n_layer), or zero
-        (zero_init_proj: every block starts as the identity, as in modded-nanogpt)."""
+        """GPT-2's initialisation at the family's init_std; residual projections scaled by
+        1/sqrt(2 * n_layer), or zero (zero_init_proj: every block starts as the identity, as in modded-nanogpt)."""
+        std = self.config.family.init_std
         for name, p in self.named_parameters():
             if name.endswith(("c_proj.weight", "experts.c_proj")):
-                std = 0.0 if self.config.zero_init_proj else 0.02 / math.sqrt(2 * self.config.n_layer)
-                nn.init.normal_(p, mean=0.0, std=std)
+                nn.init.normal_(p, mean=0.0, std=0.0 if self.config.zero_init_proj else std / math.sqrt(2 * self.config.n_layer))
             elif p.dim() >= 2:
-                nn.init.normal_(p, mean=0.0, std=0.02)
+                nn.init.normal_(p, mean=0.0, std=std)
             elif ".ln_" in name or name.startswith("ln_"):
                 nn.init.ones_(p) if name.endswith("weight") else nn.init.zeros_(p)
             elif name.endswith("value_mix"):
@@ -246,12 +225,7 @@ class GPT(nn.Module):
         assert T <= self.config.block_size, f"sequence of {T} exceeds block_size {self.config.block_size}"
         if positions is None:
             positions = torch.arange(T, device=idx.device)
-        x = self.wte(idx)
-        rope = None
-        if self.config.arch == "gpt2":
-            x = x + self.wpe(positions)
-        else:
-            rope = rotary(self.config, positions)
+        x, rope = POSITIONS[self.config.family.positions](self, self.wte(idx), positions)
         x = self.drop(x)
         docs = None if opens is None else self.documents(opens)
         for block in self.blocks:

@@ -7,9 +7,7 @@ the tokens routed to them (`run_experts`) is replaceable from outside, as attent
 import torch
 import torch.nn as nn
 
-
-def _torch_version() -> tuple[int, int]:
-    return tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+from fsdp_gpt.compat import grouped_mm_on_cpu
 
 
 def grouped_mm_runs(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -23,7 +21,7 @@ def grouped_mm_runs(x: torch.Tensor, w: torch.Tensor) -> bool:
         return False
     if x.device.type == "cuda":
         return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
-    return x.device.type == "cpu" and _torch_version() >= (2, 13)
+    return x.device.type == "cpu" and grouped_mm_on_cpu()
 
 
 def expert_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ from fsdp_gpt.config_parse import parse_args  # noqa: E402
 from fsdp_gpt.distributed.context_parallel import row_positions  # noqa: E402
 from fsdp_gpt.distributed.launch import init_distributed, run_entry_point  # noqa: E402
 from fsdp_gpt.distributed.parallelize import build_model, forward_context  # noqa: E402
+from fsdp_gpt.distributed.shards import full_tensor  # noqa: E402
 from fsdp_gpt.model import GPTConfig  # noqa: E402
 
 
@@ -37,7 +38,7 @@ def gradients(model, compute, loss_of) -> tuple[float, dict[str, torch.Tensor]]:
     loss.backward()
     total = loss.detach().clone()
     dist.all_reduce(total)
-    full = {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).float()
+    full = {name: full_tensor(p.grad).float()
             for name, p in model.named_parameters() if p.grad is not None}
     return total.item(), full
 

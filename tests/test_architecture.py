@@ -14,17 +14,19 @@ from conftest import ROOT
 PACKAGE = os.path.join(ROOT, "fsdp_gpt")
 ENTRY_POINTS = ["train_fsdp.py", "sample.py", "evaluate.py", "export_hf.py", "data.py", "consolidate.py"]
 # lowest first: a module imports from lower layers and from its own group, never from above or beside
-LAYERS = [("config", "model"), ("files",), ("hf_format", "resilience"), ("distributed",), ("data", "optim", "observe"),
-          ("evaluation", "checkpoint")]
+LAYERS = [("families", "compat"), ("config", "model"), ("files",), ("hf_format", "resilience"), ("distributed",),
+          ("data", "optim", "observe"), ("evaluation", "checkpoint")]
 LAYER_OF = {group: i for i, groups in enumerate(LAYERS) for group in groups}
 
 
 # modules at the package's top that belong to another's group
-GROUP_OF = {"config_help": "config", "config_parse": "config", "moe": "model", "attention": "model", "loss": "model"}
+GROUP_OF = {"config_help": "config", "config_parse": "config", "moe": "model", "attention": "model", "loss": "model",
+            "model_keys": "families", "safetensors_file": "hf_format"}
 
 
 def group(module: str) -> str:
-    """fsdp_gpt.data.loader -> data; fsdp_gpt.config_help -> config; fsdp_gpt.moe, .attention -> model."""
+    """fsdp_gpt.data.loader -> data; fsdp_gpt.config_help -> config; fsdp_gpt.moe, .attention -> model;
+    fsdp_gpt.model_keys -> families."""
     name = module.split(".")[1]
     return GROUP_OF.get(name, name)
 
@@ -73,8 +75,29 @@ def test_layers_import_downwards():
 @pytest.mark.parametrize("module", ["model.py", "moe.py", "attention.py", "loss.py"])
 def test_model_is_plain_pytorch(module):
     """The model's files import torch, not torch.distributed, and of the project only each other."""
-    assert {name for name in imports(os.path.join(PACKAGE, module))
-            if name.startswith(("fsdp_gpt", "torch.distributed"))} <= {"fsdp_gpt.moe", "fsdp_gpt.attention", "fsdp_gpt.loss"}
+    assert {name for name in imports(os.path.join(PACKAGE, module)) if name.startswith(("fsdp_gpt", "torch.distributed"))} \
+        <= {"fsdp_gpt.moe", "fsdp_gpt.attention", "fsdp_gpt.loss", "fsdp_gpt.model_keys", "fsdp_gpt.compat"}
+
+
+@pytest.mark.parametrize("module", ["families.py", "model_keys.py"])
+def test_the_families_and_model_keys_are_plain_python(module):
+    """The config reads them without torch (data preparation's workers import no torch)."""
+    assert {name.split(".")[0] for name in imports(os.path.join(PACKAGE, module))} <= {"dataclasses", "typing", "fsdp_gpt"}
+
+
+def test_no_module_but_the_families_branches_on_arch():
+    """A family's layout, keys, Hugging Face names and resumable keys are its entry's (families.py):
+    elsewhere `arch` is compared with nothing (`in ARCHS`, its check, aside)."""
+    def is_arch(node) -> bool:
+        return (isinstance(node, ast.Attribute) and node.attr == "arch") or (
+            isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and node.slice.value == "arch")
+    found = []
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, ast.Compare) and any(isinstance(op, (ast.Eq, ast.NotEq)) for op in node.ops) \
+                    and any(map(is_arch, [node.left, *node.comparators])) and name != "fsdp_gpt.families":
+                found.append(f"{name}:{node.lineno}")
+    assert not found, found
 
 
 def test_no_module_past_its_size():

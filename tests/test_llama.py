@@ -1,71 +1,20 @@
-"""arch: llama (RMSNorm, RoPE, SwiGLU, grouped-query attention, qk_norm): the Hugging Face mapping
-both ways, parity with one process, resumes, resharding, activation checkpointing and compile,
-export to Qwen3 with transformers' val loss equal to evaluate.py's, and init_from."""
+"""arch: llama (RMSNorm, RoPE, SwiGLU, grouped-query attention, qk_norm): parity with one process,
+resumes, resharding, activation checkpointing and compile, export to Qwen3 with transformers' val
+loss equal to evaluate.py's, init_from and its malformed folders (every family's Hugging Face
+mapping both ways: test_families.py)."""
 import math
-import re
 import os
 
 import pytest
-import torch
 
 from conftest import checkpoint_of, evaluated, hf_val_loss, launcher_once, run_trainer, scalars, tool
-from fsdp_gpt.hf_format import fused_like, hf_config, read_hf_folder, to_hf
+from fsdp_gpt.hf_format import read_hf_folder
 from fsdp_gpt.model import GPT, GPTConfig
+from test_families import hf_model
 
 # GQA (4 query heads share 2 key/value heads), qk_norm (exports as Qwen3), untied head
 LLAMA = dict(arch="llama", n_head=4, n_kv_head=2, qk_norm=True)
 STEPS = 8
-
-
-def hf_model(cfg: GPTConfig, state: dict):
-    from transformers import AutoConfig, AutoModelForCausalLM
-    keys = hf_config(cfg, eot=0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(keys.pop("model_type"), **keys)).eval()
-    model.load_state_dict(fused_like(to_hf(state, cfg), model.state_dict()))
-    return model
-
-
-@pytest.mark.parametrize("options", [
-    dict(arch="llama", n_kv_head=2),  # LlamaForCausalLM, untied
-    dict(arch="llama", n_kv_head=1, qk_norm=True, tie_embeddings=True, rope_theta=5e5),  # Qwen3ForCausalLM
-    dict(arch="gpt2"),  # GPT2LMHeadModel
-    dict(arch="gpt2", mlp="relu2"),  # GPT2LMHeadModel with activation_function relu2
-    # Qwen3MoeForCausalLM, a dense first layer (transformers 4 holds each expert's matrices, 5 stacks them)
-    dict(arch="llama", n_kv_head=2, qk_norm=True, moe_experts=4, moe_top_k=2, moe_hidden=32, moe_dense_layers=1,
-         moe_norm_top_k=False),
-])
-def test_transformers_computes_the_same_logits_and_the_folder_reads_back(options, tmp_path):
-    torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=64, **options)
-    model = GPT(cfg).eval()
-    with torch.no_grad():  # norms and biases away from their initial ones and zeros
-        for p in model.parameters():
-            if p.requires_grad:  # not an MoE's selection bias, which Hugging Face's models lack
-                p.add_(torch.randn_like(p) * 0.05)
-    hf = hf_model(cfg, model.state_dict())
-    idx = torch.randint(0, 256, (2, 32))
-    with torch.no_grad():
-        expected = model(idx)[0]
-        assert torch.allclose(hf(idx).logits, expected, rtol=1e-4, atol=1e-4)
-        hf.save_pretrained(tmp_path)
-        keys, state = read_hf_folder(str(tmp_path))  # init_from's reader: no transformers involved
-        assert GPTConfig(**keys) == cfg
-        back = GPT(GPTConfig(**keys)).eval()
-        back.load_state_dict(state)
-        assert torch.equal(back(idx)[0], expected)
-
-
-@pytest.mark.parametrize("options, key", [
-    (dict(arch="llama", logit_softcap=30.0), "logit_softcap: 30.0: LlamaForCausalLM has no logit soft cap"),
-    (dict(arch="llama", mlp="relu2"), "mlp: relu2 with arch: llama: LlamaForCausalLM's MLP is gated (SwiGLU)"),
-    (dict(arch="llama", qk_norm=True, mlp="gelu"), "mlp: gelu with arch: llama: Qwen3ForCausalLM's MLP is gated"),
-    (dict(arch="gpt2", mlp="swiglu"), "mlp: swiglu with arch: gpt2: GPT2LMHeadModel's MLP is not gated"),
-    (dict(arch="gpt2", value_embeds=1), "value_embeds: 1: GPT2LMHeadModel has no value embeddings"),
-])
-def test_what_hugging_face_cannot_express_is_refused_naming_the_key(options, key):
-    from fsdp_gpt.config import UserError
-    with pytest.raises(UserError, match=re.escape(key)):
-        hf_config(GPTConfig(vocab_size=256, block_size=32, n_layer=1, n_head=4, n_embd=64, **options), eot=0)
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,8 @@ from fsdp_gpt.model import GPT, GPTConfig
 SHAPES = {
     "gpt2, tied head": dict(),
     "llama, untied head, one key/value head": dict(arch="llama", tie_embeddings=False, n_kv_head=1),
-    "soft cap": dict(arch="llama", logit_softcap=3.0, mlp="relu2"),
-    "experts with the balancing loss": dict(arch="llama", moe_experts=4, moe_aux_loss=0.01),
+    "soft cap": dict(arch="llama", tie_embeddings=True, logit_softcap=3.0, mlp="relu2"),
+    "experts with the balancing loss": dict(arch="llama", tie_embeddings=True, moe_experts=4, moe_aux_loss=0.01),
 }
 
 

@@ -12,6 +12,7 @@ import fsdp_gpt.moe as moe_module
 from conftest import (ROOT, assert_quiet, checkpoint_of, evaluated, hf_val_loss, launch, launcher_once, run_trainer,
                       scalars, stderr_of, tool)
 from test_bad_input import assert_one_line_error
+from fsdp_gpt.compat import torch_version
 from fsdp_gpt.config import UserError
 from fsdp_gpt.hf_format import hf_config, hf_model_keys, to_hf
 from fsdp_gpt.model import GPT, GPTConfig
@@ -50,7 +51,7 @@ def test_every_token_to_two_experts_and_the_grouped_matmul_equals_one_per_expert
     with torch.no_grad():
         moe.expert_bias.copy_(torch.tensor([10.0, 10.0, 0.0, 0.0]))  # selection only: the weights stay the scores'
     x = torch.randn(2, 8, 32)
-    assert moe_module.grouped_mm_runs(x, moe.experts.c_fc) == (moe_module._torch_version() >= (2, 13))
+    assert moe_module.grouped_mm_runs(x, moe.experts.c_fc) == (torch_version() >= (2, 13))
     results = []
     for per_expert in (False, True):
         if per_expert:
@@ -91,7 +92,7 @@ def test_the_bias_moves_towards_the_mean_load_and_checkpointing_keeps_the_shares
     model(x)
     model(x)
     balance.step()
-    once = balance.load.clone()
+    once = balance.shares.clone()
     assert once.sum().item() == pytest.approx(1.0) and list(balance.layers) == [1]
     bias = model.blocks[1].mlp.expert_bias
     assert torch.equal(bias, 0.01 * torch.sign(0.25 - once[0]))  # under the mean load: up; over it: down
@@ -101,7 +102,7 @@ def test_the_bias_moves_towards_the_mean_load_and_checkpointing_keeps_the_shares
     for _ in range(2):
         model(x, x)[1].backward()
     balance.step()
-    assert torch.equal(balance.load, once)
+    assert torch.equal(balance.shares, once)
     figures = balance.scalars()
     assert figures["moe/layer1/busiest"] == pytest.approx(4 * once.max().item())
     assert figures["moe/layer1/bias_range"] == pytest.approx((bias.max() - bias.min()).item())
@@ -109,8 +110,8 @@ def test_the_bias_moves_towards_the_mean_load_and_checkpointing_keeps_the_shares
 
 
 @pytest.mark.parametrize("options, refusal", [
-    (dict(qk_norm=True, moe_shared=1), "moe_shared: 1 with moe_experts: Qwen3MoeForCausalLM has no shared experts"),
-    (dict(qk_norm=True, moe_score="sigmoid"), "moe_score: sigmoid with moe_experts: Qwen3MoeForCausalLM scores experts by"),
+    (dict(qk_norm=True, moe_shared=1), "moe_shared: 1: Qwen3MoeForCausalLM has no shared experts"),
+    (dict(qk_norm=True, moe_score="sigmoid"), "moe_score: sigmoid: Qwen3MoeForCausalLM scores experts by"),
     (dict(qk_norm=True), "moe_bias_rate trained a selection bias"),
 ])
 def test_what_qwen3_moe_cannot_express_is_refused(options, refusal):
@@ -304,7 +305,7 @@ def test_the_tools_read_an_moe_checkpoint(runs, corpus, tmp_path):
     text = tool("sample.py", checkpoint, "--max_new_tokens", "16", "--seed", "1")
     assert text.strip() and text == tool("sample.py", checkpoint, "--max_new_tokens", "16", "--seed", "1")
     refused = launch([os.path.join(ROOT, "export_hf.py"), checkpoint, str(tmp_path / "hf")], ROOT)
-    assert_one_line_error(refused, "qk_norm: False with moe_experts: Qwen3MoeForCausalLM normalises q and k")
+    assert_one_line_error(refused, "qk_norm: False: Qwen3MoeForCausalLM normalises q and k")
     other = run_trainer(str(tmp_path), resume_from=checkpoint, check=False, **(MOE | corpus | dict(moe_experts=8)))
     assert_one_line_error(other, "has moe_experts=4 but the config has moe_experts=8", "--moe_experts=4")
 

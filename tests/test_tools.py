@@ -59,7 +59,7 @@ def test_exported_tokenizers_encode_as_the_runs(tmp_path):
 
     from transformers import AutoTokenizer
 
-    from export_hf import save_tokenizer
+    from fsdp_gpt.data.tokenizer_export import save_tokenizer
     from test_hf_tokenizer import make_tokenizer
     from fsdp_gpt.data.tokenizer import get_tokenizer
 
@@ -131,7 +131,7 @@ def test_an_export_of_a_tokenizer_transformers_5_saved_loads_in_this_transformer
     both versions read, with the source's special tokens and chat templates."""
     from transformers import AutoTokenizer
 
-    from export_hf import save_tokenizer
+    from fsdp_gpt.data.tokenizer_export import save_tokenizer
     from fsdp_gpt.data.tokenizer import HFTokenizer
     source = HFTokenizer(SAVED_BY_5)
     save_tokenizer(source, str(tmp_path), block_size=64)

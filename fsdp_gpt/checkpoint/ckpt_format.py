@@ -20,9 +20,11 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
 
-from fsdp_gpt.config import MODEL_SHAPE_KEYS, UserError
+from fsdp_gpt.config import UserError
 from fsdp_gpt.distributed.shards import local_slice
+from fsdp_gpt.families import FAMILIES
 from fsdp_gpt.model import GPT, GPTConfig
+from fsdp_gpt.model_keys import SHAPE_KEYS
 
 FULL_RE = re.compile(r"fsdp_cpt(\d+)\.pth$")
 SHARD_RE = re.compile(r"fsdp_sharded_cpt(\d+)_rank(\d+|\{rank\})\.pth$")
@@ -151,26 +153,22 @@ def load_file(path: str, mmap: bool = False) -> dict:
     return obj
 
 
-# a Llama-layout run may change its context on resume (a long-context phase): RoPE holds no weights
-# per position, so the same weights run at any block_size, with another base or scaling
-CONTEXT_KEYS = ("block_size", "rope_theta", "rope_scaling")
-
-
 def check_model_shape(source: str, saved: dict, cfg, action: str = "resume it") -> dict[str, tuple]:
     """The model the config builds must be the one `source` holds (keys a checkpoint lacks,
-    written before they existed, take GPTConfig's defaults: the GPT-2 layout), but for the Llama
-    layout's CONTEXT_KEYS: their changes are returned, {key: (saved, configured)}."""
-    theirs, ours = GPTConfig(**saved), GPTConfig(**cfg.model_shape)
+    written before they existed, take their defaults: the GPT-2 layout), but for the keys its family
+    lets a resume change (Family.resumable: RoPE holds no weights per position, so the same weights
+    run at any block_size, with another base or scaling): their changes are returned, {key: (saved, configured)}."""
+    theirs, ours = GPTConfig(**saved), GPTConfig.of(cfg)
     changes = {}
-    for key in MODEL_SHAPE_KEYS:
+    for key in SHAPE_KEYS:  # arch first: a change of layout is refused as that
         was, now = getattr(theirs, key), getattr(ours, key)
         if was == now:
             continue
-        if key in CONTEXT_KEYS and theirs.arch == ours.arch == "llama":
+        if key in theirs.family.resumable and key in ours.family.resumable:
             changes[key] = (was, now)
             continue
-        why = " (GPT-2's learned positions have block_size rows: only the llama layout's context can change)" \
-            if key == "block_size" else ""
+        resumable = [family.name for family in FAMILIES if key in family.resumable]
+        why = f" (only {', '.join(resumable)} may change {key} on resume)" if resumable else ""
         raise UserError(f"{source} has {key}={was} but the config has {key}={now}: set --{key}={was} to "
                         f"{action}{why}")
     return changes

@@ -2,8 +2,9 @@
 the files), collectives included: every rank calls every method at the same point.
 
 Both formats carry `step`, `model_config`, `config` (resolved) and `train_state`. Data position
-and dropout RNG are functions of (seed, step, rank), so `step` restores both; a mixture adds its
-segment and the rows each source supplied (train_state["data"], mixture.py).
+and dropout RNG are functions of (seed, step, rank), so `step` restores both; train_state holds
+what the loop's owners of state keep beside the weights, each under its name (keep()): a mixture's
+segment and rows supplied (data), the spike window, the experts' last figures, the wandb run.
 """
 import glob
 import os
@@ -76,6 +77,7 @@ class CheckpointManager:
         self._pending = None  # the save being written: step, paths, thread, error
         self.last_saved = None  # this rank's file of the newest finished save, or the one resumed from
         self.train_state = {}  # the resumed checkpoint's train_state, on every rank
+        self.owners = {}  # {name: what keeps its state in train_state under that name} (keep())
         self.failed = None  # why the newest save failed (None: it succeeded), on every rank
         # every rank that writes makes the folder: on node-local disks each node needs its own
         writes = topo.is_main or cfg.checkpoint_type == "sharded"
@@ -87,18 +89,31 @@ class CheckpointManager:
         if topo.device.type == "cuda":  # where NCCL's flight recorder dumps on a timeout (watchdog.py)
             agree(lambda: os.makedirs(os.path.join(self.dir, "hang"), exist_ok=True))
 
-    # ---- saving ----
-    def _header(self, step: int, run_state: dict | None) -> dict:
-        cfg = self.cfg
-        return {"step": step, "model_config": cfg.model_shape | {"dropout": cfg.dropout}, "config": to_dict(cfg),
-                "train_state": {"next_step": step + 1, "seed": cfg.seed} | (run_state or {})}
+    def keep(self, **owners) -> None:
+        """What a checkpoint keeps beside the weights, in one place: each owner, under its name in
+        train_state, offers state() (what to keep, alike on every rank) and load(state) (its part of
+        the resumed checkpoint, None for a fresh run or a checkpoint written before it kept any;
+        a note it returns is printed). Loaded now, in this order on every rank (a load may be a
+        collective); saved with every checkpoint."""
+        self.owners = owners
+        for name, owner in owners.items():
+            note = owner.load(self.train_state.get(name))
+            if note and self.topo.is_main:
+                print(f"note: {note}", flush=True)
 
-    def save(self, step: int, model, optimizer, run_state: dict | None = None) -> None:
-        """Copy the state off the training tensors, then write it (in the background with async_save).
-        run_state: the loop's own state, alike on every rank, kept as the checkpoint's train_state
-        (data, spike window, wandb run). A state holding a non-finite value is never written: every
-        rank stops instead."""
+    # ---- saving ----
+    def _header(self, step: int) -> dict:
+        cfg = self.cfg
+        kept = {name: owner.state() for name, owner in self.owners.items()}
+        return {"step": step, "model_config": cfg.model_shape | {"dropout": cfg.dropout}, "config": to_dict(cfg),
+                "train_state": {"next_step": step + 1, "seed": cfg.seed} | kept}
+
+    def save(self, step: int, model, optimizer) -> None:
+        """Copy the state off the training tensors, then write it (in the background with async_save),
+        with what the owners keep (keep()). A state holding a non-finite value is never written:
+        every rank stops instead."""
         self.wait()  # one save in flight at a time
+        header = self._header(step)  # on every rank: an owner's state() may read its device
         self._refuse_non_finite(step, model, optimizer)
         if self.cfg.checkpoint_type == "full":
             # collectives on every rank; rank 0 alone receives the full dicts (host copies) and writes
@@ -107,12 +122,12 @@ class CheckpointManager:
             path, marker = full_path(self.dir, step), None
             if self.cfg.async_save:  # a 1-rank gather may alias the live tensors: own the bytes
                 state = tree_map_only(torch.Tensor, torch.clone, state)
-            writes = [(self._header(step, run_state) | state, path)] if self.topo.is_main else []
+            writes = [(header | state, path)] if self.topo.is_main else []
         else:
             state = sharded_state(model, optimizer, self.topo.rank) | {
                 "rank": self.topo.rank, "world_size": self.topo.world_size}
             path, marker = shard_path(self.dir, step, self.topo.rank), marker_path(self.dir, step)
-            writes = [(self._header(step, run_state) | state, path)]
+            writes = [(header | state, path)]
             # an older set of this step (a fresh start in a used folder) stops being visible before any
             # rank replaces its files: a mix of old and new files is never claimed complete
             agree(lambda: os.remove(marker) if self.topo.is_main and os.path.exists(marker) else None)

@@ -6,7 +6,7 @@ import torch
 
 from fsdp_gpt.config import UserError
 from fsdp_gpt.data.prepare import LLMC_HEADER_INTS, llmc_format, llmc_header, llmc_shards
-from fsdp_gpt.data.mixture import Mixture, Segment
+from fsdp_gpt.data.mixture import Mixture, Segment, resumed_segment
 from fsdp_gpt.distributed.context_parallel import positions_of
 
 
@@ -98,12 +98,18 @@ class BatchLoader:
     doc_mask: each batch comes with `opens`, a host array (rows, tokens), True at its inputs' tokens
     that open a document (the separator), found in the host's copy of the rows: where the documents
     lie is known without reading the device back. Without doc_mask, opens is None.
+
+    What a checkpoint keeps of the data (state(), load()): a mixture's segment and the rows each
+    source supplied by the last step served; one dataset's position is a function of (seed, step) alone.
     """
 
     def __init__(self, sources: dict[str, tuple[str, dict]], block_size: int, train_batch: int, micro_batch: int,
                  dp_rank: int, dp_size: int, seed: int, device: torch.device, segment: Segment | None = None,
-                 align_rows: bool = False, pieces: list[tuple[int, int]] | None = None, doc_mask: bool = False):
+                 align_rows: bool = False, pieces: list[tuple[int, int]] | None = None, doc_mask: bool = False,
+                 step: int = 0):
+        """step: the step a resumed run continues after (0: a fresh one)."""
         self.block_size, self.train_batch, self.micro_batch = block_size, train_batch, micro_batch
+        self.step = step  # the last step whose batches were served: what state() keeps
         self.dp_rank, self.dp_size, self.seed, self.device = dp_rank, dp_size, seed, device
         self.pieces = pieces or [(0, block_size)]
         self.positions = positions_of(self.pieces).to(device)
@@ -122,16 +128,37 @@ class BatchLoader:
         # align_rows: each source's rows start at its documents (a window per document), else anywhere
         self.starts = [document_starts(tokens, meta["eot_token"], block_size) if align_rows else None
                        for tokens, (_, meta) in zip(train, sources.values())]
-        self.mixture = None if segment is None else Mixture(self.names, [
-            (len(tokens) - 1) // block_size if starts is None else len(starts) for tokens, starts in zip(train, self.starts)
-        ], segment, seed, train_batch, self.starts)
-        self.sampler = self.mixture or RandomWindows(len(train[0]), seed, train_batch, self.starts[0])
+        # each source's windows: its train tokens cut at block_size, or its document starts
+        self.windows = [(len(tokens) - 1) // block_size if starts is None else len(starts)
+                        for tokens, starts in zip(train, self.starts)]
+        self.mixture = None
+        self.sampler = RandomWindows(len(train[0]), seed, train_batch, self.starts[0])
+        if segment is not None:
+            self._follow(segment)
         self.val_weights = [1.0] if segment is None else [segment.weights[name] for name in self.names]
         # on GPU the next micro-batch is copied on a side stream while the current one computes;
         # on CPU there is no copy to hide and batches are built when asked for
         self.one_ahead = device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(device) if self.one_ahead else None
         self._ahead = None  # ((step, micro_step), copy in flight)
+
+    def _follow(self, segment: Segment) -> None:
+        """Rows drawn from the mixture of `segment` from here on."""
+        self.mixture = self.sampler = Mixture(self.names, self.windows, segment, self.seed, self.train_batch, self.starts)
+
+    def state(self) -> dict:
+        """What a checkpoint of the last step served keeps of the data."""
+        return {} if self.mixture is None else {"mixture": self.mixture.state(self.step)}
+
+    def load(self, state: dict | None) -> str | None:
+        """A resumed run's data: a mixture continues the checkpoint's segment, or starts a new one where
+        it left off when data_weights changed (the note returned says so)."""
+        if self.mixture is None:
+            return None
+        segment, note = resumed_segment(self.names, self.mixture.segment.weights, (state or {}).get("mixture"),
+                                        self.step, self.train_batch)
+        self._follow(segment)
+        return note
 
     def _host_rows(self, split: str, chunk: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
         """(rows, 2, tokens): each row's inputs, then its targets (the next tokens), over this rank's pieces."""
@@ -154,6 +181,7 @@ class BatchLoader:
 
     def micro_batches(self, step: int):
         """Yield (x, y, opens) micro-batches of this rank's share of step `step`'s global batch."""
+        self.step = step
         chunks = self._my_chunks(step)
         if not self.one_ahead:
             for chunk in chunks:
@@ -216,8 +244,8 @@ class BatchLoader:
         return {name: never_read(starts, len(tokens), self.block_size) / len(tokens)
                 for name, starts, tokens in zip(self.names, self.starts, self.splits["train"]) if starts is not None}
 
-    def read(self, step: int) -> dict[str, float]:
-        """A mixture's progress after step `step` for TensorBoard: data/{name}/epoch and /tokens."""
+    def scalars(self, step: int) -> dict[str, float]:
+        """A mixture's progress after step `step`, as TensorBoard scalars: data/{name}/epoch and /tokens."""
         if self.mixture is None:
             return {}
         supplied, epochs = self.mixture.supplied(step), self.mixture.epochs(step)

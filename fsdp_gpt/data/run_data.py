@@ -1,5 +1,5 @@
-"""The data side of a training run: the vocabulary it settles on, its batch loader at a step, and
-what a checkpoint keeps of the data."""
+"""The data side of a training run: the vocabulary it settles on and its batch loader at a step
+(which keeps the data's state in checkpoints: BatchLoader.state, load)."""
 from fsdp_gpt.config import UserError
 from fsdp_gpt.data.loader import BatchLoader
 from fsdp_gpt.data.mixture import resumed_segment
@@ -47,27 +47,15 @@ def resolve_vocabulary(cfg, meta: dict, topo: Topology):
     return tokenizer
 
 
-def open_loader(cfg, sources: dict, topo: Topology, train_state: dict, step: int) -> BatchLoader:
-    """The batch loader of a run resumed after `step` (0: a fresh one). A mixture continues the
-    checkpoint's segment, or starts a new one where it left off when data_weights changed."""
-    segment = None
-    if cfg.data_mix is not None:
-        segment, note = resumed_segment(list(cfg.data_mix), cfg.data_weights, (train_state.get("data") or {}).get("mixture"),
-                                        step, cfg.train_batch)
-        if note and topo.is_main:
-            print(f"note: {note}", flush=True)
+def open_loader(cfg, sources: dict, topo: Topology, step: int) -> BatchLoader:
+    """The batch loader of a run resumed after `step` (0: a fresh one). A mixture starts a segment of
+    the configured weights there, until the checkpoint's state is loaded (BatchLoader.load)."""
+    segment = None if cfg.data_mix is None else resumed_segment(list(cfg.data_mix), cfg.data_weights, None, step,
+                                                                cfg.train_batch)[0]
     loader = BatchLoader(sources, cfg.block_size, cfg.train_batch, cfg.micro_batch, topo.dp_rank, topo.dp_size,
                          cfg.seed, topo.device, segment, cfg.align_rows,
-                         row_pieces(cfg.cp_mode, topo.cp_rank, topo.cp_size, cfg.block_size), cfg.doc_mask)
+                         row_pieces(cfg.cp_mode, topo.cp_rank, topo.cp_size, cfg.block_size), cfg.doc_mask, step)
     if topo.is_main and cfg.align_rows:
         cropped = ", ".join(f"{name} {share:.1%}" for name, share in loader.cropped().items())
         print(f"note: align_rows: rows start at documents; train tokens never read (cropped): {cropped}", flush=True)
     return loader
-
-
-def data_state(loader: BatchLoader, step: int) -> dict:
-    """What a checkpoint keeps of the data: a mixture's segment and the rows each source supplied
-    (one dataset's position is a function of (seed, step) alone)."""
-    if loader.mixture is None:
-        return {}
-    return {"mixture": loader.mixture.state(step)}

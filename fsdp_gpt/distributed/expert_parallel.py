@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
+from fsdp_gpt.compat import average_over_gloo
 from fsdp_gpt.distributed.launch import Topology
 from fsdp_gpt.model import GPT
 from fsdp_gpt.moe import MoE, GroupedExperts
@@ -108,7 +109,5 @@ def shard_experts(moe: MoE, topo: Topology, reshard: bool, shard_args: dict) -> 
     unit = fully_shard(moe.experts, reshard_after_forward=reshard,
                        **(shard_args | dict(mesh=topo.expert_mesh[EXPERT_FSDP_DIMS[topo.mesh.ndim]])))
     unit.set_gradient_divide_factor(topo.world_size)
-    # gloo sums (parallelize.py says why), but where no rank shares these experts (ep_size = the
-    # shard group): nothing is reduce-scattered there, and torch 2.13 divides a forced sum of a group
-    # of one twice (in the copy it makes instead, and after it); unforced, the copy divides once
-    unit.set_force_sum_reduction_for_comms(topo.device.type != "cuda" and topo.expert_mesh["efsdp"].size() > 1)
+    # not where no rank shares these experts (ep_size = the shard group): a group of one
+    average_over_gloo(unit, topo.device, reduces=topo.expert_mesh["efsdp"].size() > 1)

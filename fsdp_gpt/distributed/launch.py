@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from fsdp_gpt.compat import unflatten
 from fsdp_gpt.config import UserError, exit_code
 from fsdp_gpt.distributed.context_parallel import context_groups
 from fsdp_gpt.distributed.precision import pick_device
@@ -170,11 +171,12 @@ def build_mesh(cfg, world: int, local_world: int, device: torch.device,
     mesh = init_device_mesh(device.type, dims, mesh_dim_names=names)
     if ep == 1:
         return mesh, None
-    if not hasattr(mesh, "_unflatten"):
+    # the shard dimension seen as (efsdp, ep): expert groups of consecutive ranks, like context groups
+    experts = unflatten(mesh, len(dims) - 1, (shard // ep, ep), ("efsdp", "ep"))
+    if experts is None:
         raise UserError(f"ep_size={ep} needs a newer torch than {torch.__version__} (DeviceMesh._unflatten, tested on "
                         f"2.13): ep_size must be 1 here")
-    # the shard dimension seen as (efsdp, ep): expert groups of consecutive ranks, like context groups
-    return mesh, mesh._unflatten(len(dims) - 1, (shard // ep, ep), ("efsdp", "ep"))
+    return mesh, experts
 
 
 def agree(fn):

@@ -8,6 +8,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
+from fsdp_gpt.compat import average_over_gloo
 from fsdp_gpt.config import UserError
 from fsdp_gpt.distributed.context_parallel import apply_context_parallel, swaps_attention
 from fsdp_gpt.distributed.ring_attention import ring_refusal
@@ -63,11 +64,8 @@ def build_model(cfg, gpt_cfg: GPTConfig, topo: Topology) -> torch.nn.Module:
                 shard_experts(block.mlp, topo, keep, shard_args)
             fully_shard(block, reshard_after_forward=keep, **shard_args)
         fully_shard(model, **shard_args)  # the root: embeddings, final norm, tied LM head
-        if topo.device.type != "cuda":
-            # FSDP2 averages gradients with ReduceOp.AVG, which gloo sums without dividing in torch
-            # 2.8: on gloo, sum and divide by the data-parallel size instead (NCCL keeps AVG)
-            for unit in (*model.blocks, model):
-                unit.set_force_sum_reduction_for_comms(True)
+        for unit in (*model.blocks, model):
+            average_over_gloo(unit, topo.device)
     model.to_empty(device=param_device)
     model.tie_weights()
     # Same seed (or folder), same weights for any world size: rank 0 alone builds the full model

@@ -14,6 +14,12 @@ def dim0_shard(rows: int, n: int, i: int) -> tuple[int, int]:
     return start, min(start + chunk, rows) - start
 
 
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole of a (possibly sharded) tensor: a DTensor gathered (a collective: every rank calls
+    it), a plain one itself."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 def local_part(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of a (possibly sharded) tensor: a DTensor's local tensor, a plain one itself."""
     return t.to_local() if isinstance(t, DTensor) else t

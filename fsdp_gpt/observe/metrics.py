@@ -10,8 +10,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from fsdp_gpt.compat import all_gather_flat
 from fsdp_gpt.distributed.shards import local_slice
-from fsdp_gpt.distributed.compat import all_gather_flat
 from fsdp_gpt.observe.peak_flops import cpu_peak_flops, gpu_peak_flops
 from fsdp_gpt.observe.step_times import COLUMNS as TIME_COLUMNS
 from fsdp_gpt.observe.wandb_log import WandbRun
@@ -116,11 +116,11 @@ class ProgressLog:
             self.wandb.log(scalars, step)
 
     def train(self, step: int, loss: float, lr: float, grad_norm: float, per_rank: torch.Tensor, skipped: int,
-              data: dict[str, float], spikes: list[tuple[int, float]], spike_count: int) -> None:
+              figures: dict[str, float], spikes: list[tuple[int, float]], spike_count: int) -> None:
         """per_rank: per_rank_stats() with step times; memory: the console shows the largest rank,
-        TensorBoard every rank. skipped: non-finite steps skipped so far; data: a mixture's
-        data/{source}/... and the MoE layers' moe/... scalars; spikes: (step, z) of the loss spikes since the last line, of
-        spike_count in the run."""
+        TensorBoard every rank. skipped: non-finite steps skipped so far; figures: the scalars the
+        loop's owners report (a mixture's data/{source}/..., the MoE layers' moe/...); spikes: (step,
+        z) of the loss spikes since the last line, of spike_count in the run."""
         if not self.enabled:
             return
         now = time.perf_counter()
@@ -131,7 +131,7 @@ class ProgressLog:
         self.run_peak = memory if self.run_peak is None else torch.maximum(self.run_peak, memory)
         largest = dict(zip(MEMORY_COLUMNS, memory.max(dim=0).values.tolist()))
         scalars = {"train/loss": loss, "train/lr": lr, "train/grad_norm": grad_norm, "perf/tokens_per_sec": tokens_per_sec,
-                   "train/skipped_steps": skipped, "train/spikes": spike_count} | data
+                   "train/skipped_steps": skipped, "train/spikes": spike_count} | figures
         scalars |= {f"mem/{column}_gb": gb for column, gb in largest.items()}
         for rank, row in enumerate(memory.tolist()):
             scalars |= {f"mem/rank{rank}/{column}_gb": gb for column, gb in zip(MEMORY_COLUMNS, row)
@@ -161,8 +161,8 @@ class ProgressLog:
                     f"{compute_ms:.0f} ms a step)")
         skip = ", update skipped" if self.spike_skip else ""
         spiked = "".join(f" | loss spike at step {s} (z {z:.1f}{skip})" for s, z in spikes)
-        if "moe/busiest" in data:  # the worst MoE layer's: docs/models.md
-            spiked = f" | experts busiest {data['moe/busiest']:.2f}x, idle {100 * data['moe/idle']:.0f}%" + spiked
+        if "moe/busiest" in figures:  # the worst MoE layer's: docs/models.md
+            spiked = f" | experts busiest {figures['moe/busiest']:.2f}x, idle {100 * figures['moe/idle']:.0f}%" + spiked
         print(f"step {step}/{self.max_iters} | loss {loss:.4f} | lr {lr:.2e} | {tokens_per_sec:,.0f} tok/s "
               f"| MFU {mfu} | mem {largest['peak']:.2f} GB{reserved} | ETA {eta}{skips}{spiked}{late}", flush=True)
 

@@ -14,14 +14,21 @@ import torch.distributed as dist
 from fsdp_gpt.config import UserError, to_dict
 
 
-def run_id(cfg, train_state: dict) -> str | None:
-    """The wandb run id, alike on every rank (a collective when wandb is on): the resumed
-    checkpoint's, or a new one."""
-    if not cfg.wandb_project:
-        return None
-    found = [train_state.get("wandb_run_id") or os.environ.get("WANDB_RUN_ID") or secrets.token_hex(4)]
-    dist.broadcast_object_list(found, src=0)  # rank 0's choice, so every rank's checkpoint header agrees
-    return found[0]
+class WandbRunId:
+    """The wandb run's id, which every checkpoint keeps (state, load): None while wandb is off."""
+
+    def __init__(self, cfg):
+        self.enabled, self.id = bool(cfg.wandb_project), None
+
+    def load(self, saved: str | None) -> None:
+        """The resumed checkpoint's id, or a new one, alike on every rank (a collective when wandb is on)."""
+        if self.enabled:
+            found = [saved or os.environ.get("WANDB_RUN_ID") or secrets.token_hex(4)]
+            dist.broadcast_object_list(found, src=0)  # rank 0's choice, so every rank's checkpoint header agrees
+            self.id = found[0]
+
+    def state(self) -> str | None:
+        return self.id
 
 
 class WandbRun:

@@ -8,14 +8,9 @@ figure of its layer alike. What the log shows comes from here too.
 import torch
 import torch.distributed as dist
 
-from fsdp_gpt.distributed.shards import local_slice
+from fsdp_gpt.distributed.shards import full_tensor, local_slice
 from fsdp_gpt.model import GPT
 from fsdp_gpt.moe import MoE
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor of a parameter FSDP shards (a collective: every rank calls it)."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 class ExpertBalance:
@@ -24,7 +19,7 @@ class ExpertBalance:
         self.bias_rate, self.device = bias_rate, device
         for moe in self.layers.values():
             moe.take_pending(device)  # each layer's sums start at zero on the forwards' device
-        self.load = None  # (layers, experts): each expert's share of the last step's routed tokens
+        self.shares = None  # (layers, experts): each expert's share of the last step's routed tokens
         self.aux = None  # (layers,): the last step's mean load-balancing loss per layer
 
     def step(self) -> None:
@@ -35,12 +30,12 @@ class ExpertBalance:
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(figures)
         counts, aux_sum, forwards = figures[:, :-2], figures[:, -2], figures[:, -1]
-        self.load = counts / counts.sum(-1, keepdim=True).clamp(min=1)
+        self.shares = counts / counts.sum(-1, keepdim=True).clamp(min=1)
         self.aux = aux_sum / forwards.clamp(min=1)
         if self.bias_rate:
             experts = counts.shape[-1]
             with torch.no_grad():
-                for moe, load in zip(self.layers.values(), self.load):
+                for moe, load in zip(self.layers.values(), self.shares):
                     # the same update on every rank (the shares are global): each moves its own rows
                     local, offset = local_slice(moe.expert_bias)
                     nudge = self.bias_rate * torch.sign(1 / experts - load[offset:offset + len(local)])
@@ -49,20 +44,21 @@ class ExpertBalance:
     def scalars(self) -> dict[str, float]:
         """moe/layer{i}/... of the last step, and the worst layer's busiest and idle for the console
         line. Every rank calls it (the bias of a sharded model is gathered)."""
-        if not self.layers or self.load is None:
+        if not self.layers or self.shares is None:
             return {}
-        experts = self.load.shape[-1]
-        biases = torch.stack([_full(moe.expert_bias).to(self.load.device) for moe in self.layers.values()])
-        figures = {"busiest": self.load.max(-1).values * experts, "idle": (self.load == 0).float().mean(-1),
+        experts = self.shares.shape[-1]
+        biases = torch.stack([full_tensor(moe.expert_bias).to(self.shares.device) for moe in self.layers.values()])
+        figures = {"busiest": self.shares.max(-1).values * experts, "idle": (self.shares == 0).float().mean(-1),
                    "bias_range": biases.max(-1).values - biases.min(-1).values, "aux_loss": self.aux}
         names, rows = list(figures), torch.stack(list(figures.values()), dim=-1).tolist()
         scalars = {f"moe/layer{i}/{name}": value for i, row in zip(self.layers, rows) for name, value in zip(names, row)}
         return scalars | {"moe/busiest": max(row[0] for row in rows), "moe/idle": max(row[1] for row in rows)}
 
     def state(self) -> dict | None:
-        """For the checkpoint's train state (the biases are the model's)."""
-        return None if self.load is None else {"load": self.load.tolist(), "aux": self.aux.tolist()}
+        """What a checkpoint keeps beside the weights (the biases are the model's): the last step's
+        figures, which the next log line shows."""
+        return None if self.shares is None else {"load": self.shares.tolist(), "aux": self.aux.tolist()}
 
-    def load_state(self, state: dict | None, device: torch.device) -> None:
+    def load(self, state: dict | None) -> None:
         if state:
-            self.load, self.aux = torch.tensor(state["load"], device=device), torch.tensor(state["aux"], device=device)
+            self.shares, self.aux = (torch.tensor(state[k], device=self.device) for k in ("load", "aux"))

@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw
 
 from fsdp_gpt.distributed.shards import dim0_shard, local_part, zero_rows
-from fsdp_gpt.distributed.compat import all_gather_flat
+from fsdp_gpt.compat import all_gather_flat
 from fsdp_gpt.distributed.precision import native_bf16
 
 # muon_coefficients: each iteration's (a, b, c) of x <- a x + (b G + c G^2) x, G = x x^T, and the

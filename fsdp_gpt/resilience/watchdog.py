@@ -34,6 +34,8 @@ from datetime import timedelta
 
 import torch
 
+from fsdp_gpt.compat import flight_recorder_buffer_variable
+
 FIRED = threading.Event()  # set while a hang is reported: the process ends through the watchdog, not its main thread
 TICK = 1.0  # seconds between the thread's looks at the clock (and at the store's "fired" key)
 ANSWER_WAIT = 10.0  # seconds a rank waits for the others' answers before it reports
@@ -49,13 +51,6 @@ STOP_EXCHANGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stop.p
 def process_group_timeout(cfg) -> timedelta:
     """The backstop: collectives and the store give up past every phase's bound."""
     return timedelta(seconds=max(cfg.init_timeout, cfg.collective_timeout) + BACKSTOP)
-
-
-def flight_recorder_buffer_variable() -> str:
-    """The variable that sizes NCCL's flight recorder. torch 2.11 warns at every process group made
-    while the old name is set (seen on an H200, 2026-11-26); 2.8 reads only the old one (its new
-    name then was TORCH_TRACE_BUFFER_SIZE), so before 2.11 the old name stays."""
-    return "TORCH_FR_BUFFER_SIZE" if torch.__version__ >= (2, 11) else "TORCH_NCCL_TRACE_BUFFER_SIZE"
 
 
 def nccl_failure_settings(run_dir: str) -> dict[str, str]:

@@ -1,0 +1,198 @@
+"""Model families, one entry each: how its layout is built (model.py reads the entry), which keys it
+takes (config.py's checks), what a resume may change (checkpoint/ckpt_format.py), and its Hugging
+Face class, config.json's keys and the weights' names both ways (hf_format.py). No other module
+branches on a family: a new one is an entry here, its tests and its row in docs/models.md
+(docs/architecture.md: adding a family).
+
+A family builds one layout, the `arch` key (gpt2, llama). The table runs from a layout's plain
+family to its refinements, each applying where its `when` keys are set: Llama with qk_norm is
+Qwen3, with experts Qwen3-MoE. Plain Python, no torch: the config's checks read it too.
+"""
+from dataclasses import dataclass, field, replace
+from typing import Callable, NamedTuple
+
+# Llama 3.1's RoPE scaling (rope_type llama3): its numbers, as config.json and the rope_scaling key hold them
+LLAMA3_SCALING = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+class Rows(NamedTuple):
+    """Hugging Face's matrices stacked by rows into one of ours: `parts` in order, of the widths
+    widths(cfg) gives (None: equal)."""
+    parts: tuple[str, ...]
+    widths: Callable | None = None
+
+
+class Absent(NamedTuple):
+    """One of our weights Hugging Face's class has no place for: zeros on import; an export of
+    anything but zeros is refused with `refusal`."""
+    refusal: str
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str  # as the docs and messages name it
+    arch: str  # the layout it builds (the arch key)
+    when: tuple[str, ...]  # the keys that, all set, make an `arch` model this family (a refinement)
+    # the layout, as model.py's tables build it
+    norm: str  # model.NORMS: layernorm or rmsnorm
+    positions: str  # model.POSITIONS: learned (an embedding per position) or rope (q and k rotated)
+    mlp: str  # the MLP where the mlp key is null (model.ACTIVATIONS)
+    tied: bool  # the LM head is the token embedding where tie_embeddings is null
+    biases: bool  # whether the bias key adds biases (false: none, whatever it says)
+    init_std: float  # matrices start as N(0, init_std^2), residual projections scaled by 1/sqrt(2 n_layer)
+    takes: frozenset[str]  # of the keys some family lacks (FAMILY_KEYS), the ones it takes
+    resumable: tuple[str, ...]  # the keys a resume may change (RoPE keeps no weights per position)
+    # Hugging Face: its class, config.json both ways, the weights' names both ways
+    hf_class: str
+    hf_model_type: str
+    hf_mlps: dict[str, str]  # our mlp -> the activation config.json names: the MLPs its class computes
+    hf_config: Callable  # (GPTConfig, eot) -> config.json's keys
+    hf_keys: Callable  # config.json -> our model keys (ValueError: what is not built here)
+    hf_root: dict[str, str]  # our names outside the blocks -> its
+    hf_block: str  # its prefix of block {i}
+    # a block's names, ours -> its (with {e}: one per expert, stacked in ours), Rows or Absent; unlisted: alike
+    hf_names: dict = field(default_factory=dict)
+    hf_transposed: tuple[str, ...] = ()  # ours its files hold transposed (GPT-2's Conv1D)
+    hf_zero_biases: bool = False  # its class has a bias in every layer: zeros stand in where ours has none
+    hf_limits: tuple = ()  # (key, holds(cfg), why): what its class computes otherwise, refused on export
+
+
+# what no class below computes: an export of a model with them is refused, naming the key
+PLAIN_HEAD = (("logit_softcap", lambda cfg: not cfg.logit_softcap, "has no logit soft cap"),
+              ("value_embeds", lambda cfg: not cfg.value_embeds, "has no value embeddings"))
+
+
+# ---- GPT-2 ----
+
+GPT2_ACTIVATIONS = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "relu2": "relu2"}  # its names -> our mlp
+
+
+def gpt2_config(cfg, eot: int | None) -> dict:
+    return dict(vocab_size=cfg.vocab_size, n_positions=cfg.block_size, n_embd=cfg.n_embd, n_layer=cfg.n_layer,
+                n_head=cfg.n_head, n_inner=cfg.ffn_hidden, activation_function=GPT2.hf_mlps[cfg.mlp],
+                layer_norm_epsilon=cfg.norm_eps, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                tie_word_embeddings=True, bos_token_id=eot, eos_token_id=eot)
+
+
+def gpt2_keys(config: dict) -> dict:
+    activation = config.get("activation_function", "gelu_new")
+    if activation not in GPT2_ACTIVATIONS:
+        raise ValueError(f"uses activation {activation}; built here: {', '.join(GPT2_ACTIVATIONS)}")
+    return dict(arch="gpt2", mlp=GPT2_ACTIVATIONS[activation], vocab_size=config["vocab_size"],
+                block_size=config["n_positions"], n_layer=config["n_layer"], n_head=config["n_head"],
+                n_embd=config["n_embd"], bias=True, ffn_hidden=config.get("n_inner") or 4 * config["n_embd"],
+                norm_eps=config.get("layer_norm_epsilon", 1e-5),
+                tie_embeddings=config.get("tie_word_embeddings", True), moe_experts=0)
+
+
+GPT2 = Family(
+    name="GPT-2", arch="gpt2", when=(), norm="layernorm", positions="learned", mlp="gelu", tied=True, biases=True,
+    init_std=0.02, takes=frozenset({"bias"}), resumable=(),
+    hf_class="GPT2LMHeadModel", hf_model_type="gpt2", hf_mlps={"gelu": "gelu_new", "relu2": "relu2"},
+    hf_config=gpt2_config, hf_keys=gpt2_keys,
+    hf_root={"wte.weight": "transformer.wte.weight", "wpe.weight": "transformer.wpe.weight",
+             "ln_f.weight": "transformer.ln_f.weight", "ln_f.bias": "transformer.ln_f.bias",
+             "lm_head.weight": "lm_head.weight"},
+    hf_block="transformer.h.{i}.",
+    hf_transposed=("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"),
+    hf_zero_biases=True, hf_limits=PLAIN_HEAD)
+
+
+# ---- Llama, and Qwen3 on its layout ----
+
+def llama_config(cfg, eot: int | None) -> dict:
+    return dict(vocab_size=cfg.vocab_size, hidden_size=cfg.n_embd, intermediate_size=cfg.ffn_hidden,
+                num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_kv_head,
+                head_dim=cfg.head_dim, max_position_embeddings=cfg.block_size, rms_norm_eps=cfg.norm_eps,
+                rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_embeddings, hidden_act=LLAMA.hf_mlps[cfg.mlp],
+                attention_bias=False, mlp_bias=False, bos_token_id=eot, eos_token_id=eot) | (
+        # the legacy key, which transformers 4 reads and 5 converts (into rope_parameters)
+        {"rope_scaling": dict(cfg.rope_scaling)} if cfg.rope_scaling else {})
+
+
+def llama_keys(config: dict) -> dict:
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    n_head = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // n_head
+    return dict(arch="llama", vocab_size=config["vocab_size"], block_size=config["max_position_embeddings"],
+                n_layer=config["num_hidden_layers"], n_head=n_head, n_embd=config["hidden_size"],
+                n_kv_head=config.get("num_key_value_heads", n_head), bias=False,
+                head_dim=None if head_dim * n_head == config["hidden_size"] else head_dim,
+                rope_theta=float(config.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+                rope_scaling=None if kind == "default" else {"rope_type": kind} | {k: rope.get(k) for k in LLAMA3_SCALING},
+                qk_norm=False, ffn_hidden=config["intermediate_size"], norm_eps=config.get("rms_norm_eps", 1e-6),
+                tie_embeddings=config.get("tie_word_embeddings", False), moe_experts=0)
+
+
+LLAMA = Family(
+    name="Llama", arch="llama", when=(), norm="rmsnorm", positions="rope", mlp="swiglu", tied=False, biases=False,
+    init_std=0.02, takes=frozenset({"n_kv_head", "head_dim", "rope_theta", "rope_scaling", "tie_embeddings"}),
+    resumable=("block_size", "rope_theta", "rope_scaling"),
+    hf_class="LlamaForCausalLM", hf_model_type="llama", hf_mlps={"swiglu": "silu"},
+    hf_config=llama_config, hf_keys=llama_keys,
+    hf_root={"wte.weight": "model.embed_tokens.weight", "ln_f.weight": "model.norm.weight",
+             "lm_head.weight": "lm_head.weight"},
+    hf_block="model.layers.{i}.",
+    hf_names={"ln_1.weight": "input_layernorm.weight", "ln_2.weight": "post_attention_layernorm.weight",
+              "attn.c_attn.weight": Rows(("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                          "self_attn.v_proj.weight"), lambda cfg: cfg.qkv_widths),
+              "attn.c_proj.weight": "self_attn.o_proj.weight",
+              "attn.ln_q.weight": "self_attn.q_norm.weight", "attn.ln_k.weight": "self_attn.k_norm.weight",
+              "mlp.c_fc.weight": Rows(("mlp.gate_proj.weight", "mlp.up_proj.weight")),  # SwiGLU's gate, then up
+              "mlp.c_proj.weight": "mlp.down_proj.weight"},
+    hf_limits=PLAIN_HEAD)
+
+QWEN3 = replace(LLAMA, name="Qwen3", when=("qk_norm",), takes=LLAMA.takes | {"qk_norm"}, hf_class="Qwen3ForCausalLM",
+                hf_model_type="qwen3", hf_keys=lambda config: llama_keys(config) | dict(qk_norm=True))
+
+
+# ---- Qwen3-MoE: Qwen3's attention, a mixture of experts in its MLPs ----
+
+def qwen3_moe_config(cfg, eot: int | None) -> dict:
+    """The experts' count under both names: num_experts (transformers 4), num_local_experts (5)."""
+    return llama_config(cfg, eot) | dict(
+        num_experts=cfg.moe_experts, num_local_experts=cfg.moe_experts, num_experts_per_tok=cfg.moe_top_k,
+        moe_intermediate_size=cfg.moe_hidden, norm_topk_prob=cfg.moe_norm_top_k, decoder_sparse_step=1,
+        mlp_only_layers=list(range(cfg.moe_dense_layers)))
+
+
+def qwen3_moe_keys(config: dict) -> dict:
+    """The MoE keys from config.json (the experts' count is num_experts in transformers 4,
+    num_local_experts in 5). Its dense layers must be the first ones."""
+    keys = QWEN3.hf_keys(config)
+    experts = config["num_experts"] if "num_experts" in config else config["num_local_experts"]
+    every, dense = config.get("decoder_sparse_step", 1), config.get("mlp_only_layers") or []
+    sparse = [i for i in range(keys["n_layer"]) if i not in dense and (i + 1) % every == 0]
+    first = keys["n_layer"] - len(sparse)
+    if sparse != list(range(first, keys["n_layer"])):
+        raise ValueError(f"has dense MLPs between its MoE layers (decoder_sparse_step={every}, mlp_only_layers={dense}); "
+                         f"built here: the first moe_dense_layers blocks dense, then experts")
+    return keys | dict(moe_experts=experts, moe_top_k=config["num_experts_per_tok"],
+                       moe_hidden=config["moe_intermediate_size"], moe_norm_top_k=config.get("norm_topk_prob", False),
+                       moe_dense_layers=first, moe_shared=0, moe_score="softmax")
+
+
+QWEN3_MOE = replace(
+    QWEN3, name="Qwen3-MoE", when=("moe_experts",), takes=QWEN3.takes | {"moe_experts"},
+    hf_class="Qwen3MoeForCausalLM", hf_model_type="qwen3_moe", hf_config=qwen3_moe_config, hf_keys=qwen3_moe_keys,
+    # its files hold one gate, up and down matrix per expert (transformers 4 and 5 alike)
+    hf_names=QWEN3.hf_names | {
+        "mlp.router.weight": "mlp.gate.weight",
+        "mlp.experts.c_fc": Rows(("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight")),
+        "mlp.experts.c_proj": "mlp.experts.{e}.down_proj.weight",
+        "mlp.expert_bias": Absent("moe_bias_rate trained a selection bias, which Qwen3MoeForCausalLM has no place for, "
+                                  "so an export would route otherwise")},
+    hf_limits=(("qk_norm", lambda cfg: cfg.qk_norm, "normalises q and k (qk_norm: true)"),
+               ("moe_shared", lambda cfg: cfg.moe_shared == 0, "has no shared experts"),
+               ("moe_score", lambda cfg: cfg.moe_score == "softmax", "scores experts by softmax")) + PLAIN_HEAD)
+
+
+FAMILIES = (GPT2, LLAMA, QWEN3, QWEN3_MOE)  # each layout's plain family first, its refinements after it
+ARCHS = tuple(dict.fromkeys(family.arch for family in FAMILIES))
+FAMILY_KEYS = frozenset().union(*(family.takes for family in FAMILIES))  # the keys some family lacks
+
+
+def family_of(arch: str, is_set: Callable[[str], bool]) -> Family:
+    """The family of a model of layout `arch`: its last entry whose `when` keys are all set (is_set)."""
+    return [family for family in FAMILIES if family.arch == arch and all(map(is_set, family.when))][-1]

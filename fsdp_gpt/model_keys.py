@@ -1,0 +1,103 @@
+"""The model's keys, defined once: each with its type, default and meaning. GPTConfig (model.py) is
+these keys with every null default settled by the model's family (families.py); TrainConfig
+(config.py) is these keys and the run's; --help, docs/config.md and the checks read them from there.
+Plain Python, no torch: the config reads them without building a model."""
+import dataclasses
+from dataclasses import dataclass
+
+from fsdp_gpt.families import FAMILY_KEYS, Family, family_of
+
+
+def key(default, meaning: str, shape: bool = True):
+    """A config key: its default and a one-line meaning (train_fsdp.py --help, docs/config.md).
+    shape (model keys): whether it shapes the weights, so that a checkpoint's model must have it alike
+    and a Hugging Face folder sets it; the others (dropout, ...) are how the model trains."""
+    return dataclasses.field(default=default, metadata={"meaning": meaning, "shape": shape})
+
+
+@dataclass
+class ModelKeys:
+    arch: str = key("gpt2", "the layout, as fsdp_gpt/families.py names it: gpt2 (LayerNorm, learned positions, GELU, "
+                            "tied head) or llama (RMSNorm, RoPE, SwiGLU, grouped-query attention; Qwen3's with qk_norm, "
+                            "Qwen3-MoE's with experts); docs/models.md lists the families")
+    vocab_size: int | None = key(None, "embedding rows; null: the data's vocabulary (or the tokenizer's), rounded "
+                                       "up to a multiple of 64")
+    block_size: int = key(1024, "tokens per sequence (the context length)")
+    n_layer: int = key(12, "DecoderBlocks (each is one FSDP unit)")
+    n_head: int = key(12, "attention (query) heads; must divide n_embd")
+    n_embd: int = key(768, "model width")
+    dropout: float = key(0.0, "dropout rate after embeddings, in attention and after each sublayer (0: none)",
+                         shape=False)
+    bias: bool = key(True, "biases in Linear and LayerNorm layers, in a family that has them (gpt2; llama has none)")
+    n_kv_head: int | None = key(None, "llama: key/value heads (grouped-query attention), dividing n_head; null: "
+                                      "n_head")
+    head_dim: int | None = key(None, "llama: width of each attention head; null: n_embd / n_head (Qwen3 sets its "
+                                     "own)")
+    rope_theta: float = key(10000.0, "llama: RoPE base")
+    rope_scaling: dict | None = key(None, "llama: Llama 3.1's RoPE frequency scaling, {rope_type: llama3, factor, "
+                                          "low_freq_factor, high_freq_factor, original_max_position_embeddings}; "
+                                          "null: plain RoPE")
+    qk_norm: bool = key(False, "llama: RMSNorm of each head's q and k (Qwen3; exports as Qwen3ForCausalLM)")
+    tie_embeddings: bool | None = key(None, "LM head shares the token embedding; null: the family's (true for gpt2, "
+                                            "false for llama)")
+    ffn_hidden: int | None = key(None, "MLP width; null: 8/3 n_embd rounded up to 256 (swiglu), else 4 n_embd")
+    norm_eps: float = key(1e-5, "epsilon of LayerNorm / RMSNorm")
+    mlp: str | None = key(None, "the MLP: gelu, swiglu (gated) or relu2 (relu(x)^2); null: the family's (gelu for "
+                                "gpt2, swiglu for llama)")
+    logit_softcap: float | None = key(None, "squash logits into (-cap, cap) with cap * tanh(logits / cap), in fp32; "
+                                            "null: off")
+    zero_init_proj: bool = key(False, "attention and MLP output projections start at zero", shape=False)
+    value_embeds: int = key(0, "the first N blocks mix an embedding of the input tokens into attention's values "
+                               "(a vocab_size-row table each)")
+    moe_experts: int = key(0, "llama: routed experts in each MoE MLP, which replaces the dense one (0: dense; "
+                              "docs/models.md)")
+    moe_top_k: int = key(2, "MoE: experts each token is routed to (every token reaches them: dropless)")
+    moe_hidden: int | None = key(None, "MoE: each expert's hidden width; null: ffn_hidden / moe_top_k")
+    moe_shared: int = key(0, "MoE: shared experts that see every token (one MLP moe_shared x moe_hidden wide)")
+    moe_dense_layers: int = key(0, "MoE: the first N blocks keep a dense MLP (DeepSeek-V3)")
+    moe_score: str = key("softmax", "MoE: the router's scores, softmax (Qwen3, OLMoE) or sigmoid (DeepSeek-V3)")
+    moe_norm_top_k: bool = key(True, "MoE: renormalise the chosen experts' weights to sum to 1")
+    moe_aux_loss: float = key(0.0, "MoE: the load-balancing loss's coefficient (Qwen3's router_aux_loss_coef; 0: "
+                                   "off)", shape=False)
+
+    @classmethod
+    def of(cls, keys: "ModelKeys"):
+        """The model keys of `keys` (a TrainConfig, say) as a `cls`."""
+        return cls(**{name: getattr(keys, name) for name in MODEL_FIELDS})
+
+    @property
+    def family(self) -> Family:
+        return family_of(self.arch, lambda name: bool(getattr(self, name)))
+
+    @property
+    def model_shape(self) -> dict:
+        """The keys that shape the weights: what a checkpoint's model_config holds (with dropout)."""
+        return {name: getattr(self, name) for name in SHAPE_KEYS}
+
+    def settled(self) -> dict:
+        """What the keys the family settles come to: each null default, and bias where the family has
+        none. The one place the model's defaults resolve (GPTConfig applies it)."""
+        family = self.family
+        mlp = self.mlp or family.mlp
+        ffn_hidden = self.ffn_hidden
+        if ffn_hidden is None:  # SwiGLU's 8/3 n_embd (rounded up to 256) holds as many weights as 4 n_embd ungated
+            ffn_hidden = 256 * -(-(8 * self.n_embd // 3) // 256) if mlp == "swiglu" else 4 * self.n_embd
+        return dict(n_kv_head=self.n_kv_head or self.n_head, bias=self.bias and family.biases, mlp=mlp,
+                    ffn_hidden=ffn_hidden, head_dim=self.head_dim or self.n_embd // self.n_head,
+                    tie_embeddings=family.tied if self.tie_embeddings is None else self.tie_embeddings,
+                    # (a moe_top_k under 1 is refused by the checks, which read these values first)
+                    moe_hidden=self.moe_hidden or max(ffn_hidden // max(self.moe_top_k, 1), 1))
+
+    def foreign_keys(self) -> dict:
+        """{key: value} of the keys given here that the family does not take: such a key keeps its
+        default, or states what the family makes of it (GPT-2's n_kv_head: n_head)."""
+        lacked = [name for name in MODEL_FIELDS if name in FAMILY_KEYS - self.family.takes]
+        defaults = {name: MODEL_FIELDS[name].default for name in lacked}
+        settled = dataclasses.replace(self, **defaults).settled()
+        return {name: getattr(self, name) for name in lacked
+                if getattr(self, name) not in (defaults[name], settled.get(name, defaults[name]))}
+
+
+MODEL_FIELDS = {f.name: f for f in dataclasses.fields(ModelKeys)}
+# arch first: a checkpoint of another layout is reported as that, not as its first consequence (bias)
+SHAPE_KEYS = tuple(name for name, f in MODEL_FIELDS.items() if f.metadata["shape"])

@@ -1,0 +1,134 @@
+"""Model families (fsdp_gpt/families.py): each builds what its entry says, takes only its keys, and
+maps onto its Hugging Face class both ways (transformers' logits, a folder read back, every weight's
+name). A new family adds its row to MODELS."""
+import re
+
+import pytest
+import torch
+
+from fsdp_gpt.config import TrainConfig, UserError, validate
+from fsdp_gpt.hf_format import fused_like, hf_config, read_hf_folder, their_weight, to_hf
+from fsdp_gpt.model import ACTIVATIONS, GPT, NORMS, GPTConfig
+
+SMALL = dict(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=64)
+# a small model of each family, and of the options its Hugging Face class maps otherwise: (family, options)
+MODELS = {
+    "llama": ("Llama", dict(arch="llama", n_kv_head=2)),  # LlamaForCausalLM, untied
+    "qwen3": ("Qwen3", dict(arch="llama", n_kv_head=1, qk_norm=True, tie_embeddings=True, rope_theta=5e5)),
+    "gpt2": ("GPT-2", dict(arch="gpt2")),
+    "gpt2_relu2": ("GPT-2", dict(arch="gpt2", mlp="relu2")),  # activation_function relu2
+    # a dense first layer (transformers 4 holds each expert's matrices, 5 stacks them)
+    "qwen3_moe": ("Qwen3-MoE", dict(arch="llama", n_kv_head=2, qk_norm=True, moe_experts=4, moe_top_k=2, moe_hidden=32,
+                                    moe_dense_layers=1, moe_norm_top_k=False)),
+}
+
+
+def hf_model(cfg: GPTConfig, state: dict):
+    from transformers import AutoConfig, AutoModelForCausalLM
+    keys = hf_config(cfg, eot=0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(keys.pop("model_type"), **keys)).eval()
+    model.load_state_dict(fused_like(to_hf(state, cfg), model.state_dict()))
+    return model
+
+
+def trained(cfg: GPTConfig) -> GPT:
+    torch.manual_seed(0)
+    model = GPT(cfg).eval()
+    with torch.no_grad():  # norms and biases away from their initial ones and zeros
+        for p in model.parameters():
+            if p.requires_grad:  # not an MoE's selection bias, which Hugging Face's models lack
+                p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_each_family_builds_what_its_entry_says(model):
+    name, options = MODELS[model]
+    cfg = GPTConfig(**SMALL, **options)
+    family, gpt = cfg.family, GPT(cfg)
+    assert family.name == name
+    assert type(gpt.ln_f) is type(NORMS[family.norm](cfg, 8))
+    assert hasattr(gpt, "wpe") == (family.positions == "learned")
+    assert (gpt.lm_head.weight is gpt.wte.weight) == options.get("tie_embeddings", family.tied)
+    assert (gpt.blocks[0].attn.c_attn.bias is not None) == (family.biases and cfg.bias)
+    assert gpt.blocks[0].mlp.activation is ACTIVATIONS[options.get("mlp", family.mlp)][0]
+    assert gpt.wte.weight.std().item() == pytest.approx(family.init_std, rel=0.05)
+
+
+def test_a_refinement_applies_where_its_keys_are_set():
+    """Qwen3 is Llama's layout with qk_norm, Qwen3-MoE with experts (qk_norm or not: its export
+    refuses the latter); GPT-2's layout has no refinement, and refuses the keys."""
+    def family(**options) -> str:
+        return GPTConfig(**SMALL, **options).family.name
+    assert family(arch="llama", moe_experts=4) == family(arch="llama", qk_norm=True, moe_experts=4) == "Qwen3-MoE"
+    assert family(arch="gpt2", qk_norm=True) == "GPT-2"
+
+
+@pytest.mark.parametrize("options, refusal", [
+    (dict(qk_norm=True), "qk_norm=True needs arch: llama (GPT-2 takes no qk_norm)"),
+    (dict(tie_embeddings=False), "tie_embeddings=False needs arch: llama"),
+    (dict(rope_theta=5e5), "rope_theta=500000.0 needs arch: llama"),
+    (dict(n_kv_head=2), "n_kv_head=2 needs arch: llama"),
+    (dict(arch="llama", bias=True, n_kv_head=2), None),  # bias's default: Llama has none all the same
+    (dict(n_kv_head=4, tie_embeddings=True), None),  # what GPT-2 makes of them, said outright
+])
+def test_a_key_the_family_does_not_take_is_refused_naming_the_layout_that_does(options, refusal):
+    cfg = TrainConfig(**SMALL | dict(n_layer=2) | options)
+    if refusal is None:
+        validate(cfg)
+        return
+    with pytest.raises(UserError, match=re.escape(refusal)):
+        validate(cfg)
+
+
+@pytest.mark.parametrize("options", [options for _, options in MODELS.values()] + [dict(arch="gpt2", bias=False)])
+def test_every_weight_maps_to_its_hugging_face_names_and_back(options):
+    """to_hf and init_from's reader by the entry's names, no transformers involved: GPT-2 without
+    biases exports zeros in their place, which the reader leaves where model.GPT has none."""
+    cfg = GPTConfig(**SMALL, **options)
+    state = trained(cfg).state_dict()
+    theirs = to_hf(state, cfg)
+    for name, tensor in state.items():
+        assert torch.equal(their_weight(theirs, cfg.family, name, tensor, cfg.moe_experts), tensor), name
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_transformers_computes_the_same_logits_and_the_folder_reads_back(model, tmp_path):
+    cfg = GPTConfig(**SMALL, **MODELS[model][1])
+    ours = trained(cfg)
+    hf = hf_model(cfg, ours.state_dict())
+    idx = torch.randint(0, 256, (2, 32))
+    with torch.no_grad():
+        expected = ours(idx)[0]
+        assert torch.allclose(hf(idx).logits, expected, rtol=1e-4, atol=1e-4)
+        hf.save_pretrained(tmp_path)
+        keys, state = read_hf_folder(str(tmp_path))  # init_from's reader: no transformers involved
+        assert GPTConfig(**keys) == cfg
+        back = GPT(GPTConfig(**keys)).eval()
+        back.load_state_dict(state)
+        assert torch.equal(back(idx)[0], expected)
+
+
+@pytest.mark.parametrize("options, key", [
+    (dict(arch="llama", logit_softcap=30.0), "logit_softcap: 30.0: LlamaForCausalLM has no logit soft cap"),
+    (dict(arch="llama", mlp="relu2"), "mlp: relu2: LlamaForCausalLM computes swiglu MLPs only"),
+    (dict(arch="llama", qk_norm=True, mlp="gelu"), "mlp: gelu: Qwen3ForCausalLM computes swiglu MLPs only"),
+    (dict(arch="gpt2", mlp="swiglu"), "mlp: swiglu: GPT2LMHeadModel computes gelu or relu2 MLPs only"),
+    (dict(arch="gpt2", value_embeds=1), "value_embeds: 1: GPT2LMHeadModel has no value embeddings"),
+])
+def test_what_hugging_face_cannot_express_is_refused_naming_the_key(options, key):
+    with pytest.raises(UserError, match=re.escape(key)):
+        hf_config(GPTConfig(**SMALL | dict(n_layer=1), **options), eot=0)
+
+
+def test_only_the_keys_a_family_lets_change_may_change_on_resume():
+    from fsdp_gpt.checkpoint.ckpt_format import check_model_shape
+    for arch in ("llama", "gpt2"):
+        saved = GPTConfig(**SMALL, arch=arch).model_shape
+        cfg = TrainConfig(**SMALL | dict(arch=arch, block_size=64, vocab_size=256))
+        validate(cfg)
+        if arch == "llama":  # RoPE holds no weights per position
+            assert check_model_shape("old.pth", saved, cfg) == {"block_size": (32, 64)}
+        else:
+            with pytest.raises(UserError, match=r"to resume it \(only Llama, .* may change block_size on resume\)"):
+                check_model_shape("old.pth", saved, cfg)

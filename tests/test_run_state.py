@@ -1,0 +1,92 @@
+"""What a checkpoint keeps beside the weights (train_state): every owner of such state offers state()
+and load(), and the checkpoint manager gathers them (CheckpointManager.keep). A checkpoint written
+before that (issue 50; main at fb8488c gathered them in train_fsdp.py's run_state() and resolved
+tie_embeddings into model_config) resumes as the run that wrote it went on.
+
+The fixture (tests/data/checkpoint_before_issue50/) is a full checkpoint of step 3 of a 6-step run
+with every owner of state beside the weights at work: a Llama-layout mixture of experts with qk_norm
+and a balancing bias (moe), a two-source mixture (data), a spike window (spikes). Made with
+`python train_fsdp.py config/demo_cpu.yaml` and SETTINGS below (data_path: data/a, checkpoint_type:
+full, save_interval: 3), OMP_NUM_THREADS=1, torch 2.13.0 on a CPU; after_step3.json holds what that
+uninterrupted run logged after step 3. The figures are this torch's on an x86 CPU: another build
+may round a matmul otherwise (the other resume tests compare two runs on one machine)."""
+import json
+import os
+import shutil
+
+import torch
+
+from conftest import DEMO, ROOT, checkpoint_of, run_trainer, scalars
+from fsdp_gpt.checkpoint.fsdp_ckpt import CheckpointManager
+from fsdp_gpt.config_parse import parse_args
+from fsdp_gpt.data.loader import BatchLoader
+from fsdp_gpt.data.mixture import Segment
+from fsdp_gpt.distributed.launch import Topology
+from fsdp_gpt.files import read_json
+from fsdp_gpt.model import GPT, GPTConfig
+from fsdp_gpt.observe.spikes import SpikeDetector
+from fsdp_gpt.observe.wandb_log import WandbRunId
+from fsdp_gpt.optim.expert_balance import ExpertBalance
+
+FIXTURE = os.path.join(ROOT, "tests", "data", "checkpoint_before_issue50")
+SETTINGS = dict(arch="llama", n_layer=2, n_head=2, n_kv_head=1, n_embd=16, qk_norm=True, ffn_hidden=32,
+                moe_experts=2, moe_top_k=1, moe_bias_rate=0.01, moe_aux_loss=0.01, block_size=16, train_batch=4,
+                micro_batch=2, max_iters=6, warmup_iters=2, lr_decay_iters=6, save_interval=3, eval_interval=3,
+                seed=50, spike_window=4, checkpoint_type="full", data_source=None, data_weights="{a: 2, b: 1}")
+
+
+def test_a_checkpoint_written_before_issue_50_resumes_bitwise(tmp_path):
+    data = tmp_path / "data"
+    shutil.copytree(os.path.join(FIXTURE, "data"), data)
+    resumed = os.path.join(FIXTURE, "fsdp_cpt3.pth")
+    run_trainer(str(tmp_path), resume_from=resumed, data_path=str(data / "a"),
+                data_mix=f"{{a: {data / 'a'}, b: {data / 'b'}}}", **SETTINGS)
+    with open(os.path.join(FIXTURE, "after_step3.json")) as f:
+        expected = json.load(f)
+    for tag, values in expected.items():
+        assert scalars(str(tmp_path / "tb"), tag) == {int(step): value for step, value in values.items()}, tag
+    # what the owners kept went on from the checkpoint's: the spike window (a ring of 4) holds the
+    # saved loss of step 3 beside steps 4 to 6's, the mixture's segment is the saved one and its
+    # sources supplied 3 more steps' rows
+    before = torch.load(resumed, weights_only=True)["train_state"]
+    after = torch.load(checkpoint_of(str(tmp_path), "full", 6), weights_only=True)["train_state"]
+    loss = expected["train/loss"]
+    assert after["spikes"]["losses"] == [loss["5"], loss["6"], before["spikes"]["losses"][2], loss["4"]]
+    assert after["spikes"]["seen"] == 6
+    assert after["data"]["mixture"]["segment"] == before["data"]["mixture"]["segment"]
+    assert after["data"]["mixture"]["supplied"] == {"a": 16, "b": 8}
+    assert len(after["moe"]["load"]) == 2 and after["wandb_run_id"] is None
+
+
+def owners(cfg, model, step: int = 0) -> dict:
+    """The trainer's owners of state beside the weights (train_fsdp.py's ckpt.keep), fresh, for a run
+    that continues after `step`."""
+    sources = {name: (os.path.join(FIXTURE, "data", name), read_json(os.path.join(FIXTURE, "data", name, "meta.json"),
+                                                                      "")) for name in "ab"}
+    cpu = torch.device("cpu")
+    return dict(data=BatchLoader(sources, 16, 4, 2, 0, 1, 50, cpu, Segment(0, {"a": 2.0, "b": 1.0}, {"a": 0, "b": 0}),
+                                 step=step),
+                spikes=SpikeDetector(cpu, 6.0, 4), moe=ExpertBalance(model, 0.01, cpu), wandb_run_id=WandbRunId(cfg))
+
+
+def test_every_owner_gets_back_what_it_kept(one_process_group, tmp_path):
+    """Each owner's state() is saved under its name, and load() gives a fresh owner the same state."""
+    argv = [DEMO] + [f"--{k}={v}" for k, v in (SETTINGS | dict(data_mix="{a: a, b: b}", wandb_project="p")).items()]
+    cfg = parse_args(argv + [f"--checkpoint_dir={tmp_path / 'first'}", "--vocab_size=256"])
+    model = GPT(GPTConfig.of(cfg))
+    optimizer = torch.optim.AdamW(model.parameters())
+    one = Topology(0, 1, 0, 1, torch.device("cpu"), "none", None)
+    saving, kept = CheckpointManager(cfg, one), owners(cfg, model)
+    saving.keep(**kept)
+    for step in (1, 2, 3):
+        list(kept["data"].micro_batches(step))
+        kept["spikes"].check(step, torch.tensor(5.0 - 0.1 * step))
+        model(torch.randint(0, 256, (2, 16)))  # the experts' figures of a forward
+        kept["moe"].step()
+    saving.save(3, model, optimizer)
+    cfg.checkpoint_dir = str(tmp_path / "second")
+    resuming, resumed = CheckpointManager(cfg, one), owners(cfg, model, step=3)
+    assert resuming.resume(str(tmp_path / "first" / "fsdp_cpt3.pth"), model, optimizer) == 3
+    resuming.keep(**resumed)
+    for name, owner in kept.items():
+        assert owner.state() and resumed[name].state() == owner.state(), name
