@@ -202,6 +202,9 @@ def validate_model(cfg: TrainConfig) -> None:
             f"logit_softcap must be positive (or null: off), got {cfg.logit_softcap}")
     check_moe(cfg)
     check_context_parallel(cfg)
+    # resolved, as the run prints its config and its checkpoints keep it: a reader of the checkpoint
+    # (a tool of an older version among them) takes the head's tying as it is, not its family's default
+    cfg.tie_embeddings = cfg.settled()["tie_embeddings"]
 
 
 def validate_run(cfg: TrainConfig) -> None:

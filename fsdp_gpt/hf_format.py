@@ -100,6 +100,18 @@ def fused_like(hf_state: dict, model_keys) -> dict:
     return out
 
 
+def per_expert(tensors: dict) -> dict:
+    """A file's experts held fused, as transformers 5's model holds them in memory (experts.gate_up_proj
+    (experts, 2 hidden, width), experts.down_proj), as the per-expert tensors save_pretrained writes."""
+    out = dict(tensors)
+    for key in [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        prefix, parts = key.rsplit("experts.", 1)[0] + "experts.", ("gate_proj", "up_proj", "down_proj")
+        parts = parts[:2] if key.endswith("gate_up_proj") else parts[2:]
+        for e, matrix in enumerate(out.pop(key)):
+            out |= {f"{prefix}{e}.{p}.weight": piece for p, piece in zip(parts, matrix.chunk(len(parts)))}
+    return out
+
+
 # ---- import: a Hugging Face folder -> model keys and model.GPT's state dict ----
 
 def hf_model_keys(folder: str) -> tuple[dict, int]:
@@ -164,7 +176,7 @@ def read_hf_folder(folder: str) -> tuple[dict, dict]:
     the file and what is wrong."""
     keys = _config_keys(folder)
     cfg = GPTConfig(**keys)
-    tensors = read_safetensors(folder)
+    tensors = per_expert(read_safetensors(folder))
     with torch.device("meta"):
         expected = GPT(cfg).state_dict()
     state = {}

@@ -132,3 +132,20 @@ def test_only_the_keys_a_family_lets_change_may_change_on_resume():
         else:
             with pytest.raises(UserError, match=r"to resume it \(only Llama, .* may change block_size on resume\)"):
                 check_model_shape("old.pth", saved, cfg)
+
+
+def test_a_folder_whose_experts_are_stored_fused_reads_as_one_stored_per_expert(tmp_path):
+    """transformers 5's model holds a mixture's experts fused (experts.gate_up_proj, down_proj): a
+    file written from that layout reads back as save_pretrained's per-expert one."""
+    from safetensors.torch import load_file, save_file
+    cfg = GPTConfig(**SMALL, **MODELS["qwen3_moe"][1])
+    hf = hf_model(cfg, trained(cfg).state_dict())
+    hf.save_pretrained(tmp_path)
+    per_expert = read_hf_folder(str(tmp_path))[1]
+    (path,) = tmp_path.glob("*.safetensors")
+    stored = load_file(path)
+    fused_keys = [k for k in hf.state_dict() if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    fused = fused_like(stored, fused_keys or [f"model.layers.1.mlp.experts.{p}" for p in ("gate_up_proj", "down_proj")])
+    assert any(k.endswith("experts.gate_up_proj") for k in fused) and not any(".experts.0." in k for k in fused)
+    save_file(fused, path, metadata={"format": "pt"})
+    assert all(torch.equal(tensor, per_expert[name]) for name, tensor in read_hf_folder(str(tmp_path))[1].items())
