@@ -20,11 +20,17 @@ CHUNK_ELEMENTS = {"cuda": 1 << 28, "cpu": 1 << 25}
 
 
 def chunk_count(rows: int, vocab: int, device_type: str) -> int:
-    """Chunks of equal rows (one compiled shape) whose logits fit the device's budget."""
-    chunks = -(-rows * vocab // CHUNK_ELEMENTS.get(device_type, CHUNK_ELEMENTS["cpu"]))
-    while rows % chunks:
-        chunks += 1
-    return chunks
+    """Chunks whose logits fit the device's budget: of equal rows where a count up to twice the least
+    divides them (one compiled shape), else the least (a shorter last chunk: a row count with no such
+    divisor, a prime one, never falls to a row a chunk)."""
+    least = -(-rows * vocab // CHUNK_ELEMENTS.get(device_type, CHUNK_ELEMENTS["cpu"]))
+    return next((chunks for chunks in range(least, 2 * least + 1) if rows % chunks == 0), least)
+
+
+def row_chunks(h: torch.Tensor, targets: torch.Tensor, vocab: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """h (..., C) and targets (...) as rows, cut into chunk_count's chunks: (h's, targets')."""
+    chunks = chunk_count(targets.numel(), vocab, h.device.type)
+    return h.flatten(0, -2).chunk(chunks), targets.flatten().chunk(chunks)
 
 
 def head_loss_chunk(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, softcap: float | None,
@@ -60,30 +66,31 @@ class ChunkedHeadLoss(torch.autograd.Function):
         device = h.device.type
         autocast = device != "meta" and torch.is_autocast_enabled(device)  # (meta: the FLOP counter's)
         dtype = torch.get_autocast_dtype(device) if autocast else weight.dtype
-        flat_h, flat_targets, cast_weight = h.flatten(0, -2).to(dtype), targets.flatten(), weight.to(dtype)
-        rows = flat_h.shape[0]
+        h_chunks, target_chunks = row_chunks(h.to(dtype), targets, weight.shape[0])
+        cast_weight, rows = weight.to(dtype), targets.numel()
         grads = any(ctx.needs_input_grad[:2])
         loss = torch.zeros((), device=h.device, dtype=torch.float32)
-        grad_h = torch.empty_like(flat_h) if grads else None
+        grad_h = torch.empty(h.shape, device=h.device, dtype=dtype) if grads else None
         grad_weight = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if grads else None
-        chunks = chunk_count(rows, weight.shape[0], h.device.type)
-        for piece, (h_c, t_c) in enumerate(zip(flat_h.chunk(chunks), flat_targets.chunk(chunks))):
+        # each chunk's gradient lands in its rows of grad_h
+        slots = grad_h.view(rows, -1).chunk(len(h_chunks)) if grads else [None] * len(h_chunks)
+        for h_c, t_c, slot in zip(h_chunks, target_chunks, slots):
             loss_c, grad_h_c, grad_weight_c = chunk_fn(h_c, cast_weight, t_c, softcap, grads)
             loss += loss_c.sum()
             if grads:
-                grad_h[piece * h_c.shape[0]:(piece + 1) * h_c.shape[0]] = grad_h_c
+                slot.copy_(grad_h_c)
                 grad_weight += grad_weight_c
         ctx.rows = rows
-        ctx.shapes = (h.shape, h.dtype, weight.dtype)
+        ctx.dtypes = (h.dtype, weight.dtype)
         ctx.save_for_backward(grad_h, grad_weight)
         return loss / rows
 
     @staticmethod
     def backward(ctx, grad_loss):
         grad_h, grad_weight = ctx.saved_tensors
-        h_shape, h_dtype, weight_dtype = ctx.shapes
+        h_dtype, weight_dtype = ctx.dtypes
         scale = grad_loss / ctx.rows  # the forward's gradients are of the summed loss: no fp16 underflow in them
-        return (grad_h.float().mul_(scale).to(h_dtype).view(h_shape), (grad_weight * scale).to(weight_dtype),
+        return (grad_h.float().mul_(scale).to(h_dtype), (grad_weight * scale).to(weight_dtype),
                 None, None, None)
 
 
@@ -97,7 +104,5 @@ def chunked_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.
 def per_position_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                                softcap: float | None = None) -> torch.Tensor:
     """Each position's loss (...) in fp32, chunk by chunk: for evaluation (val loss, multiple choice)."""
-    flat_h, flat_targets = h.flatten(0, -2), targets.flatten()
-    chunks = chunk_count(flat_h.shape[0], weight.shape[0], h.device.type)
     return torch.cat([head_loss_chunk(h_c, weight, t_c, softcap, False)[0]
-                      for h_c, t_c in zip(flat_h.chunk(chunks), flat_targets.chunk(chunks))]).view_as(targets)
+                      for h_c, t_c in zip(*row_chunks(h, targets, weight.shape[0]))]).view_as(targets)
