@@ -216,9 +216,9 @@ class GPT(nn.Module):
         """idx, targets: (B, T) token ids. positions (T,): where each column sits in its row (None:
         0 .. T-1; under context parallelism a rank holds a slice of each row, or two). opens (B, T):
         True at the tokens that open a document (the separator between documents), best a host
-        array (the loader's; a tensor is read back from its device): attention does not cross into another document (None: each row is one
-        sequence). Positions stay the row's: RoPE's attention depends on distances alone,
-        so a document attends the same anywhere in a row. Returns (logits (B, T, vocab), None) without
+        array (the loader's; a tensor is read back from its device): attention does not cross into
+        another document (None: each row is one sequence). Positions stay the row's: RoPE's
+        attention depends on distances alone, so a document attends the same anywhere in a row. Returns (logits (B, T, vocab), None) without
         targets; with them (None, the mean loss), or with reduction "none" (None, each position's loss
         (B, T) in fp32): no logits tensor is made."""
         B, T = idx.shape

@@ -22,7 +22,9 @@ from fsdp_gpt.distributed.shards import full_tensor  # noqa: E402
 from fsdp_gpt.model import GPTConfig  # noqa: E402
 
 
-def whole_logits_loss(model, gpt, x, y, positions):
+def whole_logits_loss(model, gpt, x, y, positions=None):
+    """The loss as it was computed before loss.py: (B, T, vocab) logits, then cross-entropy in fp32
+    (model: gpt, or its wrapper)."""
     logits, _ = model(x, positions=positions)
     loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
     if gpt.config.moe_aux_loss:
@@ -65,4 +67,5 @@ def probe(argv: list[str]) -> None:
         print(json.dumps({key: max(r[key] for r in gathered) for key in report}))
 
 
-run_entry_point(lambda: probe(sys.argv[1:]))
+if __name__ == "__main__":  # (test_loss.py imports the reference above)
+    run_entry_point(lambda: probe(sys.argv[1:]))

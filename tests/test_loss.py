@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 import fsdp_gpt.loss as loss_module
 from conftest import DEMO, ROOT, launch, overrides
+from loss_probe import whole_logits_loss
 from fsdp_gpt.model import GPT, GPTConfig
 
 SHAPES = {
@@ -17,15 +18,6 @@ SHAPES = {
     "soft cap": dict(arch="llama", tie_embeddings=True, logit_softcap=3.0, mlp="relu2"),
     "experts with the balancing loss": dict(arch="llama", tie_embeddings=True, moe_experts=4, moe_aux_loss=0.01),
 }
-
-
-def whole_logits(model: GPT, x, y):
-    """The loss as it was computed before loss.py: (B, T, vocab) logits, then cross-entropy in fp32."""
-    loss = F.cross_entropy(model(x)[0].float().flatten(0, 1), y.flatten())
-    if model.config.moe_aux_loss:
-        balancing = model.config.moe_aux_loss * torch.stack([m.aux_loss for m in model.moe_layers()]).mean()
-        loss = loss + (balancing - balancing.detach())
-    return loss
 
 
 def loss_and_gradients(model: GPT, compute_loss) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -49,7 +41,7 @@ def test_chunked_loss_is_the_whole_logits_cross_entropy_in_fp32(shape, monkeypat
     x, y = torch.randint(0, 300, (2, 3, 24)).unbind()
     assert loss_module.chunk_count(x.numel(), 300, "cpu") == 6
     loss, grads = loss_and_gradients(model, lambda: model(x, y)[1])
-    ref_loss, ref_grads = loss_and_gradients(model, lambda: whole_logits(model, x, y))
+    ref_loss, ref_grads = loss_and_gradients(model, lambda: whole_logits_loss(model, model, x, y))
     assert abs(loss - ref_loss) / ref_loss < 1e-6
     assert largest(grads, ref_grads) < 1e-6
     with torch.no_grad():  # evaluation's per-position losses alike
@@ -65,10 +57,11 @@ def test_chunked_loss_in_bf16_is_no_further_from_fp64_than_the_whole_logits():
     model = GPT(GPTConfig(vocab_size=512, block_size=64, n_layer=2, n_head=2, n_embd=64, arch="llama",
                           tie_embeddings=False, logit_softcap=10.0))
     x, y = torch.randint(0, 512, (2, 4, 64)).unbind()
-    exact_loss, exact = loss_and_gradients(model.double(), lambda: whole_logits(model, x, y))
+    exact_loss, exact = loss_and_gradients(model.double(), lambda: whole_logits_loss(model, model, x, y))
     model.float()
     errors = {}
-    for name, compute_loss in (("chunked", lambda: model(x, y)[1]), ("whole", lambda: whole_logits(model, x, y))):
+    for name, compute_loss in (("chunked", lambda: model(x, y)[1]),
+                               ("whole", lambda: whole_logits_loss(model, model, x, y))):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss, grads = loss_and_gradients(model, compute_loss)
         errors[name] = (abs(loss - exact_loss).item() / exact_loss.item(), largest(grads, exact))
