@@ -23,6 +23,7 @@ import glob
 import json
 import os
 import re
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -179,7 +180,7 @@ def steady(text: str, plain: bool) -> tuple[float, float] | None:
     timed = [(r, m) for s, r, m in lines if LOG_EVERY < s <= STEPS]
     if not timed:
         return None
-    return len(timed) / sum(1 / r for r, _ in timed), max(m for _, m in timed)  # equal tokens per line
+    return statistics.harmonic_mean([r for r, _ in timed]), max(m for _, m in timed)  # equal tokens per line
 
 
 def flops_per_token(args: list[str], extra: list[str]) -> int:

@@ -100,7 +100,7 @@ def micro_steps(cfg):
     holds them all gathered anyway)."""
     gathered_through_step = cfg.fsdp and not STRATEGY_TABLE[cfg.sharding_strategy][1]
 
-    def set(model: torch.nn.Module, last: bool) -> None:
+    def set_micro_step(model: torch.nn.Module, last: bool) -> None:
         if isinstance(model, DistributedDataParallel):
             model.require_backward_grad_sync = last
         elif isinstance(model, FSDPModule):
@@ -108,7 +108,7 @@ def micro_steps(cfg):
             if gathered_through_step:
                 model.set_reshard_after_backward(last)
         # an unwrapped model (one process) has no gradients to reduce
-    return set
+    return set_micro_step
 
 
 def forward_context(cfg, topo: Topology):
