@@ -118,10 +118,15 @@ def busy(seconds: float) -> subprocess.Popen:
 
 def test_mfu_peak_holds_under_load(tmp_path, monkeypatch, capsys):
     """A CPU's peak taken while every core is busy is about what a matmul reaches once they are free
-    again: timed on every thread at once, as before, this load cut it to 6% (27 of 434 GFLOP/s);
-    now 99.8% alone, and 93.5% in the whole suite, whose other worker trains beside this test on
-    the same cores (a load no timing escapes). Half tells the two apart with room for that. And the
-    run's own FLOP/s cap MFU at 100%."""
+    again (2026-11-26: 193-197 GFLOP/s loaded, 195-197 quiet; where a load undercuts the timing,
+    27 of 434 on 2026-11-25's machine, the vector bound carries the peak): half tells the two apart
+    with room for the suite's other worker, which trains beside this test on the same cores. The
+    timing never sets the thread count (MKL's matmuls inside torch's parallel loops ran 24% slower
+    for the rest of a run that did, even to the count it had). And the run's own FLOP/s cap MFU at
+    100%."""
+    def set_num_threads(n):
+        raise AssertionError(f"torch.set_num_threads({n}) from the peak's timing")
+    monkeypatch.setattr(torch, "set_num_threads", set_num_threads)
     loads = [busy(4.0) for _ in range(os.cpu_count() or 1)]
     time.sleep(0.5)  # the loads running before the measurement starts
     under_load, how = peak_flops.cpu_peak_flops()

@@ -44,24 +44,19 @@ def gpu_peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
 
 
 def timed_matmul_flops() -> float:
-    """fp32 FLOP/s of this process's threads: the fastest of MATMUL_SECONDS' rounds of one matmul on
-    one thread, times the threads. A round takes a fraction of a millisecond, shorter than the time
-    a busy machine's scheduler gives a thread, so many rounds have a core to themselves (rounds on
-    all threads at once wait for the slowest: under load, none of them did). On the machines here
-    one thread's rate times two matches two threads' on a larger matmul, quiet or loaded."""
-    threads = min(torch.get_num_threads(), os.cpu_count() or 1)
+    """fp32 FLOP/s of this process's threads as they are: the fastest of MATMUL_SECONDS' rounds of
+    one matmul. A round takes a fraction of a millisecond, so a busy machine leaves some of them
+    the cores. The thread count is left alone: torch.set_num_threads, even to the count it had,
+    sets MKL's thread count for every later call, and MKL's matmuls inside torch's own parallel
+    loops (CPU flash attention) then ran 24% slower for the rest of the run."""
     a, b = torch.randn(MATMUL_SIZE, MATMUL_SIZE), torch.randn(MATMUL_SIZE, MATMUL_SIZE)
-    torch.set_num_threads(1)
-    try:
-        torch.mm(a, b)  # warm up
-        best, until = float("inf"), time.perf_counter() + MATMUL_SECONDS
-        while time.perf_counter() < until:
-            start = time.perf_counter()
-            torch.mm(a, b)
-            best = min(best, time.perf_counter() - start)
-    finally:
-        torch.set_num_threads(threads)
-    return threads * 2 * MATMUL_SIZE ** 3 / best
+    torch.mm(a, b)  # warm up
+    best, until = float("inf"), time.perf_counter() + MATMUL_SECONDS
+    while time.perf_counter() < until:
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - start)
+    return 2 * MATMUL_SIZE ** 3 / best
 
 
 def vector_peak_flops(threads: int, cpuinfo: str | None = None) -> tuple[float, str] | None:
