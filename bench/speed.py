@@ -125,10 +125,13 @@ def bench_plain(rounds: int, compile: bool, widths: list[int], workdir: str) -> 
             print(f"  {width} wide: trainer {trainer[-1]:,.0f} tok/s, plain loop {plain[-1]:,.0f} tok/s", flush=True)
         t, p = max(trainer), max(plain)
         tokens = BATCH * shape()["block_size"]  # a step's
+        # pair by pair: each trainer run against the plain run right after it, which the machine's
+        # drift (15% over minutes here) hits alike; one lucky run moves neither this nor the medians
+        pairs = statistics.median(a / b for a, b in zip(trainer, plain))
         print(f"{width} wide, compile={compile}: best of {rounds} alternating runs: trainer {t:,.0f} tok/s, plain "
               f"loop {p:,.0f} tok/s, ratio {t / p:.3f}; medians: ratio "
-              f"{statistics.median(trainer) / statistics.median(plain):.3f}; the trainer's own cost "
-              f"{1e3 * (tokens / t - tokens / p):.2f} ms a step (best of each)", flush=True)
+              f"{statistics.median(trainer) / statistics.median(plain):.3f}; median of the pairs' ratios {pairs:.3f}; "
+              f"the trainer's own cost {1e3 * (tokens / t - tokens / p):.2f} ms a step (best of each)", flush=True)
 
 
 def bench_scaling(rounds: int, workdir: str) -> None:
