@@ -6,6 +6,7 @@
     python bench/speed.py loader                          # data loader tokens/s vs the trainer's
     python bench/speed.py muon [--rounds 3]               # step time with muon vs adamw, 1 and 2 ranks
     python bench/speed.py muon_step                       # Muon's optimizer step alone: its share of a step
+    python bench/speed.py fsdp [--rounds 3]               # 2 ranks: explicit prefetch, reduce_dtype bf16 vs fp32
 
 The model: 4 layers, 256 wide (plain: 128 and 256, or --widths), block 128, batch 16, fp32,
 byte tokens (the demo's data).
@@ -67,8 +68,9 @@ def run(cmd: list[str], nproc: int, workdir: str) -> str:
 
 
 def trainer_rate(nproc: int, workdir: str, strategy: str = "FULL_SHARD", compile: bool = False,
-                 width: int = WIDTH, optimizer: str = "adamw", interval: int = WARMUP, steps: int = STEPS) -> float:
-    """Tokens/s the trainer logs (rank 0's line: the whole global batch)."""
+                 width: int = WIDTH, optimizer: str = "adamw", interval: int = WARMUP, steps: int = STEPS,
+                 **extra) -> float:
+    """Tokens/s the trainer logs (rank 0's line: the whole global batch); extra: more config keys."""
     launch = [sys.executable] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     mode = ["--fsdp=false"] if strategy == "DDP" else [f"--sharding_strategy={strategy}", "--fsdp_size=2"]
@@ -77,7 +79,7 @@ def trainer_rate(nproc: int, workdir: str, strategy: str = "FULL_SHARD", compile
         eval_interval=10 ** 6, eval_iters=1, save_interval=10 ** 6, dtype="fp32", compile=compile, sample_tokens=0,
         checkpoint_dir="ckpt", tensorboard_dir="tb", data_path=demo_data(), optimizer=optimizer,
         # the plain loop's training: its values, and so the arithmetic they cost, alike
-        learning_rate=6e-4, min_lr=6e-4, warmup_iters=0, lr_schedule="constant")
+        learning_rate=6e-4, min_lr=6e-4, warmup_iters=0, lr_schedule="constant") | extra
     out = run(launch + [os.path.join(ROOT, "train_fsdp.py"), DEMO] + mode +
               [f"--{k}={v}" for k, v in settings.items()], nproc, workdir)
     return median_after_warmup([float(r.replace(",", "")) for r in re.findall(r"\| ([\d,]+) tok/s", out)])
@@ -178,6 +180,26 @@ def bench_muon(rounds: int, workdir: str) -> None:
               f"(median of {rounds} alternating pairs)", flush=True)
 
 
+def bench_fsdp(rounds: int, workdir: str) -> None:
+    """FSDP2's levers at 2 ranks, FULL_SHARD, 2 micro-steps a step: explicit prefetch (fsdp_prefetch
+    1 and 2 against FSDP2's own order) in fp32, and reduce_dtype bf16 against fp32 under bf16
+    compute; each row's step time against its baseline's, pair by pair (A B A B)."""
+    accumulated = dict(micro_batch=BATCH // 4)  # 2 ranks x 4 rows x 2 micro-steps
+    rows = {"fsdp_prefetch 1 / 0 (fp32)": (dict(fsdp_prefetch=0), dict(fsdp_prefetch=1)),
+            "fsdp_prefetch 2 / 0 (fp32)": (dict(fsdp_prefetch=0), dict(fsdp_prefetch=2)),
+            "reduce_dtype bf16 / fp32 (bf16 compute)": (dict(dtype="bf16", reduce_dtype="fp32"),
+                                                       dict(dtype="bf16", reduce_dtype="bf16"))}
+    for name, (base, change) in rows.items():
+        ratios = []
+        for _ in range(rounds):
+            a, b = (trainer_rate(2, workdir, interval=5, steps=40, **accumulated, **settings)
+                    for settings in (base, change))
+            ratios.append(a / b)  # step time: the change's over the baseline's
+            print(f"  {name}: {b:,.0f} against {a:,.0f} tok/s", flush=True)
+        print(f"{name}: step time {statistics.median(ratios):.3f} of the baseline's (median of {rounds} pairs)",
+              flush=True)
+
+
 def bench_muon_step(rounds: int) -> None:
     """Muon's optimizer step alone, one process, against the model's forward and backward: its share of
     a step (GPT-2 124M's matrices at the plain bench's batch would take minutes on a CPU: this
@@ -209,7 +231,7 @@ def bench_muon_step(rounds: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=("plain", "scaling", "loader", "muon", "muon_step", "_plain_loop"))
+    parser.add_argument("what", choices=("plain", "scaling", "loader", "muon", "muon_step", "fsdp", "_plain_loop"))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--compile", action="store_true", help="plain: compile both sides")
     parser.add_argument("--widths", type=int, nargs="+", default=[128, 256], help="plain: the models' widths")
@@ -226,6 +248,8 @@ def main() -> None:
         bench_scaling(args.rounds, workdir)
     elif args.what == "muon":
         bench_muon(args.rounds, workdir)
+    elif args.what == "fsdp":
+        bench_fsdp(args.rounds, workdir)
     elif args.what == "muon_step":
         bench_muon_step(max(args.rounds, 3) * 4)
     else:

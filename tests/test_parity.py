@@ -48,6 +48,28 @@ def test_four_ranks_match_one_process(strategy, single_process, run_of):
     assert single_process["train/loss"][STEPS] < single_process["train/loss"][1]
 
 
+def test_explicit_prefetch_names_the_next_blocks_each_way():
+    """fsdp_prefetch's lists (the FULL_SHARD run above trains with fsdp_prefetch 2 and matches one process)."""
+    from fsdp_gpt.distributed.parallelize import prefetch
+
+    class Block:
+        def __init__(self, i):
+            self.i, self.forward, self.backward = i, None, None
+
+        def set_modules_to_forward_prefetch(self, blocks):
+            self.forward = [b.i for b in blocks]
+
+        def set_modules_to_backward_prefetch(self, blocks):
+            self.backward = [b.i for b in blocks]
+    blocks = [Block(i) for i in range(4)]
+    prefetch(blocks, 2)
+    assert [b.forward for b in blocks] == [[1, 2], [2, 3], [3], []]
+    assert [b.backward for b in blocks] == [[], [0], [1, 0], [2, 1]]
+    untouched = [Block(i) for i in range(4)]
+    prefetch(untouched, 0)  # FSDP2's own order
+    assert all(b.forward is None and b.backward is None for b in untouched)
+
+
 # DDP's runs warn of find_unused_parameters, which parallelize.py sets on purpose
 @pytest.mark.parametrize("name", ["full2", "FULL_SHARD", "NO_SHARD", "HYBRID_SHARD", "cp2", "cp2_hybrid"])
 def test_a_healthy_run_prints_no_warning(name, run_of):
