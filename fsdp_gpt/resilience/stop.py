@@ -62,7 +62,9 @@ class StopRequest:
         received is read after the first step. `timeout`: the process group's (a new group would
         take torch's 30-minute default). Under NCCL the exchange needs gloo to reach every node too
         (GLOO_SOCKET_IFNAME where the default interface does not)."""
-        self.group = dist.new_group(backend="gloo", timeout=timeout)
+        # one process agrees with itself: no group, whose gloo thread would wake 100 times a second
+        if dist.get_world_size() > 1:
+            self.group = dist.new_group(backend="gloo", timeout=timeout)
         self._exchange()
 
     def _exchange(self) -> None:
