@@ -28,6 +28,8 @@ import sys
 import time
 from dataclasses import dataclass
 
+import yaml
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
@@ -42,6 +44,11 @@ BYTES = ["--data_path=data/stdlib_bytes", "--data_source=stdlib", "--tokenizer=b
 GPT2 = ["config/gpt2_124M.yaml", "--train_batch=64", "--micro_batch=32"]
 LLAMA124 = ["config/llama_124M.yaml", "--vocab_size=50304", "--train_batch=64", "--micro_batch=32", "--compile=true"]
 LLAMA1B = ["config/llama_1B.yaml", "--train_batch=8", "--micro_batch=8"]
+
+
+def shipped_micro_batch(config: str) -> int:
+    with open(os.path.join(ROOT, "config", f"{config}.yaml")) as f:
+        return yaml.safe_load(f)["micro_batch"]
 
 
 @dataclass
@@ -88,6 +95,12 @@ ROWS = [
     Row("gpt2_muon", "gpt2 with Muon (the blocks' matrices) beside AdamW", GPT2 + ["--optimizer=muon"], "gpt2_ref"),
     Row("gpt2_autotune", "gpt2, compile_mode max-autotune-no-cudagraphs",
         GPT2 + ["--compile_mode=max-autotune-no-cudagraphs"], "gpt2_ref"),
+    # the 8-GPU configs as shipped (their micro_batch, compile, activation checkpointing), one
+    # GPU's share: two of their micro-batches a step; the tok/s their comments give
+    *(Row(f"shipped_{name}", f"config/{name}.yaml as shipped, one GPU, 2 micro-batches of {micro}",
+          [f"config/{name}.yaml", "--vocab_size=50304", f"--train_batch={2 * micro}"])
+      for name, micro in ((name, shipped_micro_batch(name))
+                          for name in ("train90M_fsdp", "train300M_fsdp", "recipe_124M", "llama_124M"))),
 ]
 
 
