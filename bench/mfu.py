@@ -28,8 +28,6 @@ import sys
 import time
 from dataclasses import dataclass
 
-import yaml
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
@@ -47,8 +45,8 @@ LLAMA1B = ["config/llama_1B.yaml", "--train_batch=8", "--micro_batch=8"]
 
 
 def shipped_micro_batch(config: str) -> int:
-    with open(os.path.join(ROOT, "config", f"{config}.yaml")) as f:
-        return yaml.safe_load(f)["micro_batch"]
+    from fsdp_gpt.config_parse import parse_args  # YAML and defaults, as the trainer reads them (no torch)
+    return parse_args([os.path.join(ROOT, "config", f"{config}.yaml")] + BYTES).micro_batch
 
 
 @dataclass

@@ -55,6 +55,15 @@ def demo_data() -> str:
     return path
 
 
+def in_turn(a, b, round_: int) -> tuple[float, float]:
+    """(a(), b()), run A B in even rounds and B A in odd ones: a steady drift of the machine favours neither."""
+    if round_ % 2:
+        second = b()
+        return a(), second
+    first = a()
+    return first, b()
+
+
 def median_after_warmup(rates: list[float]) -> float:
     return statistics.median(rates[1:])
 
@@ -120,15 +129,16 @@ def plain_loop(compile: bool, width: int, interval: int = PLAIN_INTERVAL, steps:
 def bench_plain(rounds: int, compile: bool, widths: list[int], workdir: str) -> None:
     for width in widths:
         trainer, plain = [], []
-        for _ in range(rounds):  # alternate: drifts of a shared machine hit both sides alike
-            trainer.append(trainer_rate(1, workdir, compile=compile, width=width, interval=PLAIN_INTERVAL,
-                                        steps=PLAIN_STEPS))
-            plain.append(plain_rate(workdir, compile, width))
+        for round_ in range(rounds):  # alternate: drifts of a shared machine hit both sides alike
+            t, p = in_turn(lambda: trainer_rate(1, workdir, compile=compile, width=width, interval=PLAIN_INTERVAL,
+                                                steps=PLAIN_STEPS), lambda: plain_rate(workdir, compile, width), round_)
+            trainer.append(t)
+            plain.append(p)
             print(f"  {width} wide: trainer {trainer[-1]:,.0f} tok/s, plain loop {plain[-1]:,.0f} tok/s", flush=True)
         t, p = max(trainer), max(plain)
         tokens = BATCH * shape()["block_size"]  # a step's
-        # pair by pair: each trainer run against the plain run right after it, which the machine's
-        # drift (15% over minutes here) hits alike; one lucky run moves neither this nor the medians
+        # pair by pair: each trainer run against the plain run beside it, which the machine's drift
+        # (15% over minutes here) hits alike; one lucky run moves neither this nor the medians
         pairs = statistics.median(a / b for a, b in zip(trainer, plain))
         print(f"{width} wide, compile={compile}: best of {rounds} alternating runs: trainer {t:,.0f} tok/s, plain "
               f"loop {p:,.0f} tok/s, ratio {t / p:.3f}; medians: ratio "
@@ -183,7 +193,8 @@ def bench_muon(rounds: int, workdir: str) -> None:
 def bench_fsdp(rounds: int, workdir: str) -> None:
     """FSDP2's levers at 2 ranks, FULL_SHARD, 2 micro-steps a step: explicit prefetch (fsdp_prefetch
     1 and 2 against FSDP2's own order) in fp32, and reduce_dtype bf16 against fp32 under bf16
-    compute; each row's step time against its baseline's, pair by pair (A B A B)."""
+    compute; each row's step time against its baseline's, pair by pair (A B, then B A). On CPU FSDP2
+    waits for each all-gather, so prefetch can only reorder the gathers here, never overlap them."""
     accumulated = dict(micro_batch=BATCH // 4)  # 2 ranks x 4 rows x 2 micro-steps
     rows = {"fsdp_prefetch 1 / 0 (fp32)": (dict(fsdp_prefetch=0), dict(fsdp_prefetch=1)),
             "fsdp_prefetch 2 / 0 (fp32)": (dict(fsdp_prefetch=0), dict(fsdp_prefetch=2)),
@@ -191,9 +202,9 @@ def bench_fsdp(rounds: int, workdir: str) -> None:
                                                        dict(dtype="bf16", reduce_dtype="bf16"))}
     for name, (base, change) in rows.items():
         ratios = []
-        for _ in range(rounds):
-            a, b = (trainer_rate(2, workdir, interval=5, steps=40, **accumulated, **settings)
-                    for settings in (base, change))
+        for round_ in range(rounds):
+            a, b = in_turn(*(lambda settings=settings: trainer_rate(2, workdir, interval=5, steps=40, **accumulated,
+                                                                    **settings) for settings in (base, change)), round_)
             ratios.append(a / b)  # step time: the change's over the baseline's
             print(f"  {name}: {b:,.0f} against {a:,.0f} tok/s", flush=True)
         print(f"{name}: step time {statistics.median(ratios):.3f} of the baseline's (median of {rounds} pairs)",

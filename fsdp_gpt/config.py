@@ -104,7 +104,8 @@ class TrainConfig(ModelKeys):
     reduce_dtype: str = key("fp32", "FSDP's gradient reduction dtype (DDP reduces the gradients as they are, fp32)")
     cpu_offload: bool = key(False, "FSDP: parameters, gradients and optimizer state in host memory")
     fsdp_prefetch: int = key(0, "FSDP: blocks whose all-gathers each block's forward and backward start ahead (0: "
-                                "FSDP2's own order: the next block in backward, in forward as the host runs ahead)")
+                                "FSDP2's own order, one block ahead; 1: the same overlap, issued earlier); one "
+                                "process runs unwrapped without it")
     activation_checkpointing: bool = key(False, "recompute each DecoderBlock's activations in backward")
     compile: bool = key(False, "torch.compile each DecoderBlock and the LM head's chunked loss")
     compile_mode: str = key("default", "torch.compile's mode: default or max-autotune-no-cudagraphs (searches matmul "
@@ -229,6 +230,10 @@ def validate_run(cfg: TrainConfig) -> None:
     require(0.0 <= cfg.dropout < 1.0, f"dropout must be in [0, 1), got {cfg.dropout}")
     require(cfg.fsdp_size is None or cfg.fsdp_size > 0, f"fsdp_size must be positive, got {cfg.fsdp_size}")
     require(cfg.fsdp_prefetch >= 0, f"fsdp_prefetch must be 0 or more blocks, got {cfg.fsdp_prefetch}")
+    require(cfg.fsdp or not cfg.fsdp_prefetch, "fsdp_prefetch needs fsdp: true (DDP has no all-gathers to prefetch)")
+    # the experts are FSDP units of their own, which the blocks' lists would skip: their gathers
+    # would wait behind the prefetched blocks'
+    require(cfg.ep_size == 1 or not cfg.fsdp_prefetch, "fsdp_prefetch with ep_size > 1 is not built: use 0")
     require(cfg.cp_size >= 1, f"cp_size must be 1 or more, got {cfg.cp_size}")
     require(cfg.cp_mode in CP_MODES, f"cp_mode '{cfg.cp_mode}' is not one of {', '.join(CP_MODES)}")
     require(cfg.ep_size >= 1, f"ep_size must be 1 or more, got {cfg.ep_size}")

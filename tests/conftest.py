@@ -233,7 +233,7 @@ CANONICAL = {  # name: (ranks, settings)
     # with a text sample at each eval: the model generates between training steps
     "full2": (2, dict(checkpoint_type="full", sample_tokens=8)),
     "sharded2": (2, dict(checkpoint_type="sharded", async_save=True, sample_tokens=8)),
-    # with explicit prefetch: each block's forward and backward start the other block's all-gather
+    # with explicit prefetch: each block's forward and backward start the next two blocks' all-gathers
     "FULL_SHARD": (4, dict(checkpoint_type="sharded", fsdp_prefetch=2)),
     "SHARD_GRAD_OP": (4, dict(sharding_strategy="SHARD_GRAD_OP", checkpoint_type="sharded")),
     "NO_SHARD": (4, dict(sharding_strategy="NO_SHARD", checkpoint_type="sharded")),

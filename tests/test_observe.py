@@ -117,13 +117,13 @@ def busy(seconds: float) -> subprocess.Popen:
 
 
 def test_mfu_peak_holds_under_load(tmp_path, monkeypatch, capsys):
-    """A CPU's peak taken while every core is busy is about what a matmul reaches once they are free
-    again (2026-11-26: 193-197 GFLOP/s loaded, 195-197 quiet; where a load undercuts the timing,
-    27 of 434 on 2026-11-25's machine, the vector bound carries the peak): half tells the two apart
-    with room for the suite's other worker, which trains beside this test on the same cores. The
-    timing never sets the thread count (MKL's matmuls inside torch's parallel loops ran 24% slower
-    for the rest of a run that did, even to the count it had). And the run's own FLOP/s cap MFU at
-    100%."""
+    """A CPU's peak taken while every core is busy is about what a matmul reaches once they are free again: the peak a
+    run takes, the vector bound included (2026-11-26 the timing alone: 193-197 GFLOP/s loaded, 195-202 quiet; where
+    a load undercut it, 27 of 434 on 2026-11-25's machine under an older timing, the bound carries the peak; a CPU
+    without one relies on the timing). Half tells the two apart with room for the suite's other worker, which trains
+    beside this test on the same cores. The timing never sets the thread count (MKL's matmuls inside torch's
+    parallel loops ran a quarter slower for the rest of a run that did, even to the count it had). And the run's own
+    FLOP/s cap MFU at 100%."""
     def set_num_threads(n):
         raise AssertionError(f"torch.set_num_threads({n}) from the peak's timing")
     monkeypatch.setattr(torch, "set_num_threads", set_num_threads)

@@ -86,8 +86,9 @@ def build_model(cfg, gpt_cfg: GPTConfig, topo: Topology) -> torch.nn.Module:
 
 def prefetch(blocks, depth: int) -> None:
     """Explicit prefetch (depth > 0): block i's forward starts the all-gathers of blocks i+1 ..
-    i+depth, its backward those of i-1 .. i-depth, so that each block's gather overlaps earlier
-    blocks' compute, at the memory of depth more gathered blocks. 0 leaves FSDP2's own order."""
+    i+depth, its backward those of i-1 .. i-depth. FSDP2's own order (0) keeps one block ahead;
+    depth 1 gives the same overlap with the gather issued earlier from the host, and each depth
+    beyond holds one more gathered block."""
     if depth:
         for i, block in enumerate(blocks):
             block.set_modules_to_forward_prefetch(list(blocks[i + 1:i + 1 + depth]))

@@ -1,9 +1,8 @@
 """The peak FLOP/s MFU divides by: a GPU's from its data sheet, a CPU's from its cores.
 
 A CPU has no data sheet entry here, so its peak is the larger of two figures: a timed fp32 matmul
-(what the cores reach; a run whose start-up timing fell in a busy moment once showed MFU over 100%,
-so it is timed as a passing load can't undercut: many short single-thread rounds, the fastest taken,
-times the threads), and what the cores' vector width and clock allow (fp32 lanes x 2 for the fused
+(what the process's threads reach: many short rounds, the fastest taken, so that a passing load
+undercuts few of them), and what the cores' vector width and clock allow (fp32 lanes x 2 for the fused
 multiply-add x 2 FMA units x clock x threads, where /proc/cpuinfo tells the width and clock: no upper
 bound where the cores run above the clock it reports, as a VM's do). MFU on a CPU is an estimate, and
 said so.
@@ -48,7 +47,7 @@ def timed_matmul_flops() -> float:
     one matmul. A round takes a fraction of a millisecond, so a busy machine leaves some of them
     the cores. The thread count is left alone: torch.set_num_threads, even to the count it had,
     sets MKL's thread count for every later call, and MKL's matmuls inside torch's own parallel
-    loops (CPU flash attention) then ran 24% slower for the rest of the run."""
+    loops (CPU flash attention) then ran a quarter slower for the rest of the run."""
     a, b = torch.randn(MATMUL_SIZE, MATMUL_SIZE), torch.randn(MATMUL_SIZE, MATMUL_SIZE)
     torch.mm(a, b)  # warm up
     best, until = float("inf"), time.perf_counter() + MATMUL_SECONDS

@@ -71,7 +71,7 @@ class StopRequest:
         mine = next((code for code, (name, _) in REQUESTS.items() if name == self.received), 0)
         # a host buffer the all-reduce writes into, read as numpy: never a wait on the GPU
         self.flag = np.array([mine], dtype=np.int32)
-        if dist.get_world_size() > 1:  # one process agrees with itself: no gloo work (and thread wake-up) a step
+        if self.group is not None:
             self.work = dist.all_reduce(torch.from_numpy(self.flag), op=dist.ReduceOp.MAX, group=self.group,
                                         async_op=True)
 
