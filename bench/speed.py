@@ -182,8 +182,9 @@ def bench_muon(rounds: int, workdir: str) -> None:
           f"training FLOPs at this batch ({BATCH} x {shape()['block_size']} tokens)", flush=True)
     for nproc in (1, 2):
         ratios = []
-        for _ in range(rounds):
-            adamw, muon = (trainer_rate(nproc, workdir, optimizer=o) for o in ("adamw", "muon"))
+        for round_ in range(rounds):
+            adamw, muon = in_turn(lambda: trainer_rate(nproc, workdir, optimizer="adamw"),
+                                  lambda: trainer_rate(nproc, workdir, optimizer="muon"), round_)
             ratios.append(adamw / muon)
             print(f"  {nproc} rank(s): adamw {adamw:,.0f} tok/s, muon {muon:,.0f} tok/s", flush=True)
         print(f"{nproc} rank(s), FULL_SHARD: step time muon / adamw {statistics.median(ratios):.3f} "
@@ -200,11 +201,13 @@ def bench_fsdp(rounds: int, workdir: str) -> None:
             "fsdp_prefetch 2 / 0 (fp32)": (dict(fsdp_prefetch=0), dict(fsdp_prefetch=2)),
             "reduce_dtype bf16 / fp32 (bf16 compute)": (dict(dtype="bf16", reduce_dtype="fp32"),
                                                        dict(dtype="bf16", reduce_dtype="bf16"))}
+    def rate(settings: dict) -> float:
+        return trainer_rate(2, workdir, interval=5, steps=40, **accumulated, **settings)
+
     for name, (base, change) in rows.items():
         ratios = []
         for round_ in range(rounds):
-            a, b = in_turn(*(lambda settings=settings: trainer_rate(2, workdir, interval=5, steps=40, **accumulated,
-                                                                    **settings) for settings in (base, change)), round_)
+            a, b = in_turn(lambda: rate(base), lambda: rate(change), round_)
             ratios.append(a / b)  # step time: the change's over the baseline's
             print(f"  {name}: {b:,.0f} against {a:,.0f} tok/s", flush=True)
         print(f"{name}: step time {statistics.median(ratios):.3f} of the baseline's (median of {rounds} pairs)",
