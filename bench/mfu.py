@@ -9,18 +9,22 @@ Each row is `train_fsdp.py`'s run of a shipped config (config/gpt2_124M.yaml, co
 config/llama_1B.yaml) on the demo's byte corpus with the config's vocabulary (its shapes and FLOPs, no
 tokenizer download), in bf16, or the reference: `_plain`, a loop a user would write without this
 trainer (the same model.GPT, the whole model compiled with the logits and cross-entropy inside,
-bf16 autocast, fused AdamW, clipping), on the same batch. Timing, alike for every row: 75 steps,
-a line every 25; the first line holds start-up and compilation, tok/s is over the 50 steps after it
-(no eval or save among them: the trainer's timer restarts after each). MFU: tok/s x
+bf16 autocast, fused AdamW, clipping), on the same batch. Timing, alike for every row: 60 steps,
+a line every 20; the first line holds start-up and compilation, tok/s is over the 40 steps after it.
+The bench's trainer runs skip the val loss at step 0 and the checkpoint after the last step: both
+lie outside the timed steps, and on a lent GPU their seconds (a recompile for no_grad, a 15 GB
+sharded save at 1B) are better spent on rows. MFU: tok/s x
 GPT.flops_per_token() / the GPU's dense bf16 peak (fsdp_gpt/observe/peak_flops.py), as the console
-shows it. A row with `trace` also records three steps after the timed ones with torch.profiler and
-splits their GPU time (matmuls, attention, loss, optimizer, FSDP copies and collectives, other,
-idle). The rows share --budget seconds; a row that no longer fits is shown as not run. Extra
+shows it. A row with `trace` (or named in --trace) also records two steps after the timed ones with
+torch.profiler and splits their GPU time (matmuls, attention, loss, optimizer, FSDP copies and
+collectives, other, idle); the trace is kept gzipped as {out}/{row}.trace.json.gz. The rows share --budget seconds; a row that no longer fits is shown as not run. Extra
 --key=value arguments go to every run, last (tests/test_mfu.py runs two rows at tiny size on CPU).
 """
 import argparse
 import glob
+import gzip
 import json
+import math
 import os
 import re
 import statistics
@@ -33,8 +37,8 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 from gpu_check import failure, machine, run_logged  # noqa: E402
 
-STEPS, LOG_EVERY = 75, 25
-TRACED = [STEPS + 1, STEPS + 3]
+STEPS, LOG_EVERY = 60, 20
+TRACED = [STEPS + 1, STEPS + 2]
 BYTES = ["--data_path=data/stdlib_bytes", "--data_source=stdlib", "--tokenizer=bytes", "--dtype=bf16",
          f"--max_iters={STEPS}", f"--log_interval={LOG_EVERY}", "--warmup_iters=10", f"--lr_decay_iters={STEPS}",
          f"--eval_interval={STEPS}", "--eval_iters=1", "--save_interval=100000", "--sample_tokens=0",
@@ -44,9 +48,12 @@ LLAMA124 = ["config/llama_124M.yaml", "--vocab_size=50304", "--train_batch=64", 
 LLAMA1B = ["config/llama_1B.yaml", "--train_batch=8", "--micro_batch=8"]
 
 
-def shipped_micro_batch(config: str) -> int:
-    from fsdp_gpt.config_parse import parse_args  # YAML and defaults, as the trainer reads them (no torch)
-    return parse_args([os.path.join(ROOT, "config", f"{config}.yaml")] + BYTES).micro_batch
+def shipped_share(config: str) -> tuple[int, int]:
+    """(micro_batch, micro-steps) of one rank of the config's own launch (world_size), the micro-steps
+    at most 2: a row's step stays under a second. YAML and defaults as the trainer reads them (no torch)."""
+    from fsdp_gpt.config_parse import parse_args
+    cfg = parse_args([os.path.join(ROOT, "config", f"{config}.yaml")])
+    return cfg.micro_batch, min(2, cfg.train_batch // (cfg.micro_batch * cfg.world_size))
 
 
 @dataclass
@@ -66,9 +73,11 @@ ROWS = [
     Row("gpt2", "GPT-2 124M, train_fsdp.py, one process unwrapped, compiled (blocks and the chunked loss), "
         "micro_batch 32 x 2", GPT2, "gpt2_ref", trace=True),
     Row("gpt2_fsdp", "gpt2, force_fsdp (FULL_SHARD: gathered twice a micro-step)", GPT2 + ["--force_fsdp=true"],
-        "gpt2_ref"),
+        "gpt2"),
+    Row("gpt2_fsdp_prefetch", "gpt2_fsdp with fsdp_prefetch 2 (gathers issued two blocks ahead)",
+        GPT2 + ["--force_fsdp=true", "--fsdp_prefetch=2"], "gpt2_fsdp"),
     Row("gpt2_fsdp_once", "gpt2, force_fsdp with SHARD_GRAD_OP: gathered once a step",
-        GPT2 + ["--force_fsdp=true", "--sharding_strategy=SHARD_GRAD_OP"], "gpt2_ref"),
+        GPT2 + ["--force_fsdp=true", "--sharding_strategy=SHARD_GRAD_OP"], "gpt2"),
     Row("gpt2_logits_loss", "gpt2 with the loss before loss.py: [B, T, V] logits, then cross-entropy", GPT2,
         "gpt2_ref", variant="logits_loss"),
     Row("gpt2_eager", "gpt2, compile off", GPT2 + ["--compile=false"], "gpt2_ref"),
@@ -82,7 +91,7 @@ ROWS = [
     Row("llama1b_ref", "Llama 3.2 1B's shape at 2,048 tokens, plain loop", LLAMA1B, plain=True),
     Row("llama1b", "config/llama_1B.yaml: one process unwrapped, compiled, micro_batch 8 x 1", LLAMA1B,
         "llama1b_ref"),
-    Row("llama1b_fsdp", "llama1b, force_fsdp (FULL_SHARD)", LLAMA1B + ["--force_fsdp=true"], "llama1b_ref"),
+    Row("llama1b_fsdp", "llama1b, force_fsdp (FULL_SHARD)", LLAMA1B + ["--force_fsdp=true"], "llama1b"),
     Row("llama1b_ac", "llama1b with activation checkpointing, 16 rows a micro-batch and a step",
         LLAMA1B + ["--activation_checkpointing=true", "--train_batch=16", "--micro_batch=16"], "llama1b_ref"),
     Row("gpt2_micro16", "gpt2, micro_batch 16 x 4", GPT2 + ["--micro_batch=16"], "gpt2_ref"),
@@ -90,15 +99,18 @@ ROWS = [
     Row("gpt2_blocks_only", "gpt2, compile of the blocks only (the loss's chunks eager)", GPT2, "gpt2_ref",
         variant="blocks_only"),
     Row("gpt2_cudnn", "gpt2, SDPA on cuDNN's attention instead of flash", GPT2, "gpt2_ref", variant="cudnn"),
+    Row("gpt2_cudagraphs", "gpt2, the blocks compiled in mode reduce-overhead: replayed as CUDA graphs", GPT2,
+        "gpt2", variant="cudagraphs"),
     Row("gpt2_muon", "gpt2 with Muon (the blocks' matrices) beside AdamW", GPT2 + ["--optimizer=muon"], "gpt2_ref"),
     Row("gpt2_autotune", "gpt2, compile_mode max-autotune-no-cudagraphs",
         GPT2 + ["--compile_mode=max-autotune-no-cudagraphs"], "gpt2_ref"),
-    # the 8-GPU configs as shipped (their micro_batch, compile, activation checkpointing), one
-    # GPU's share: two of their micro-batches a step; the tok/s their comments give
-    *(Row(f"shipped_{name}", f"config/{name}.yaml as shipped, one GPU, 2 micro-batches of {micro}",
-          [f"config/{name}.yaml", "--vocab_size=50304", f"--train_batch={2 * micro}"])
-      for name, micro in ((name, shipped_micro_batch(name))
-                          for name in ("train90M_fsdp", "train300M_fsdp", "recipe_124M", "llama_124M"))),
+    # the 8-GPU configs as shipped (their micro_batch, strategy, compile, activation checkpointing) on
+    # one GPU wrapped as a cluster wraps them (force_fsdp), one rank's micro-steps: the figures their
+    # comments give
+    *(Row(f"shipped_{name}", f"config/{name}.yaml as shipped, FSDP on one GPU, {steps} micro-batch(es) of {micro}",
+          [f"config/{name}.yaml", "--vocab_size=50304", f"--train_batch={steps * micro}", "--force_fsdp=true"])
+      for name, (micro, steps) in ((name, shipped_share(name)) for name in
+                                   ("gpt2_124M", "llama_124M", "recipe_124M", "train90M_fsdp", "train300M_fsdp", "llama_1B"))),
 ]
 
 
@@ -116,7 +128,13 @@ def apply_variant(variant: str) -> None:
     import torch
     from fsdp_gpt import model
     from fsdp_gpt.distributed import parallelize
-    if variant == "logits_loss":
+    if variant == "cudagraphs":  # the loss's chunks stay as they are (a chunk's replay would overwrite the last's)
+        def compile_model(gpt, mode):
+            for block in gpt.blocks:
+                block.compile(mode="reduce-overhead")
+            gpt.head_loss_chunk = torch.compile(gpt.head_loss_chunk, mode=mode)
+        parallelize.compile_model = compile_model
+    elif variant == "logits_loss":
         model.chunked_cross_entropy = whole_logits_loss
     elif variant == "blocks_only":
         parallelize.compile_model = lambda gpt, mode: [block.compile(mode=mode) for block in gpt.blocks]
@@ -129,6 +147,10 @@ def apply_variant(variant: str) -> None:
 def train_variant(variant: str, argv: list[str]) -> None:
     apply_variant(variant)
     import train_fsdp
+    from fsdp_gpt.checkpoint.fsdp_ckpt import CheckpointManager
+    # outside the timed steps: the val loss at step 0 (a no_grad recompile) and the last checkpoint
+    train_fsdp.evaluate = lambda *args: (math.nan, "", {}, {})
+    CheckpointManager.save = lambda self, step, model, optimizer: None
     from fsdp_gpt.config_parse import parse_args
     from fsdp_gpt.distributed.launch import run_entry_point
     run_entry_point(lambda: train_fsdp.train(parse_args(argv)))
@@ -239,11 +261,20 @@ def split_trace(path: str) -> tuple[dict[str, float], list[tuple[str, float]]] |
     return shares, [(name[:90], t / 1e3) for name, t in top]
 
 
-def run_row(row: Row, folder: str, extra: list[str], left: float) -> dict:
+def keep_trace(path: str, packed: str) -> None:
+    """The trace gzipped without its allocation events (most of its size), for Perfetto or a script."""
+    with open(path) as f:
+        trace = json.load(f)
+    trace["traceEvents"] = [e for e in trace["traceEvents"] if e.get("cat") != "cpu_instant_event"]
+    with gzip.open(packed, "wt") as f:
+        json.dump(trace, f)
+
+
+def run_row(row: Row, folder: str, extra: list[str], left: float, trace: bool) -> dict:
     os.makedirs(folder, exist_ok=True)
     log = os.path.join(folder, f"{row.name}.log")
     own = [f"--checkpoint_dir={folder}/{row.name}/ckpt", f"--tensorboard_dir={folder}/{row.name}/tb"]
-    if row.trace:
+    if trace:
         own += [f"--max_iters={TRACED[1]}", f"--profile_steps={TRACED}".replace(" ", "")]
     mode = ["_plain"] if row.plain else ["_train", row.variant or "-"]
     print(f"== {row.name} ({left:.0f} s at most)", flush=True)
@@ -261,6 +292,7 @@ def run_row(row: Row, folder: str, extra: list[str], left: float) -> dict:
     traces = glob.glob(os.path.join(folder, row.name, "tb", "profile", "*.pt.trace.json"))
     if traces and (split := split_trace(traces[0])):
         result["split"], result["top"] = split
+        keep_trace(traces[0], os.path.join(folder, f"{row.name}.trace.json.gz"))
     print(f"   {measured[0]:,.0f} tok/s", flush=True)
     return result
 
@@ -273,8 +305,9 @@ def table(results: list[dict], peak: float | None) -> str:
             lines.append(f"| {r['row']} | {r['what']} |  |  |  | {r['result']} |")
             continue
         mfu = f"{r['tok_s'] * r['flops_per_token'] / peak:.1%}" if peak else "n/a"
-        other = by_name.get(r["vs"], {})
-        ratio = f"{r['tok_s'] / other['tok_s']:.3f}x {r['vs']}" if "tok_s" in other else ""
+        other = by_name.get(r["vs"], {})  # the ratio of FLOP/s: of tok/s where the models are alike, of MFU where not
+        ratio = (f"{r['tok_s'] * r['flops_per_token'] / (other['tok_s'] * other['flops_per_token']):.3f}x {r['vs']}"
+                 if "tok_s" in other else "")
         lines.append(f"| {r['row']} | {r['what']} | {r['tok_s']:,.0f} | {mfu} | {r['peak_gb']:.1f} | {ratio} |")
     for r in results:
         if "split" in r:
@@ -290,6 +323,7 @@ def main() -> int:
     parser.add_argument("--budget", type=float, default=float(os.environ.get("MFU_BUDGET", 450)),
                         help="seconds for all rows together")
     parser.add_argument("--out", default=os.environ.get("MFU_DIR", os.path.join(ROOT, "bench", "runs", "mfu")))
+    parser.add_argument("--trace", default="", help="comma-separated rows to trace besides those that always do")
     parser.add_argument("--list", action="store_true")
     args, extra = parser.parse_known_args()
     if args.list or not args.rows:
@@ -311,7 +345,7 @@ def main() -> int:
             why = "the budget is spent" if left < 30 else "the two rows before it failed"
             results.append({"row": row.name, "what": row.what, "vs": row.vs, "result": f"not run: {why}"})
             continue
-        results.append(run_row(row, args.out, extra, left))
+        results.append(run_row(row, args.out, extra, left, row.trace or row.name in args.trace.split(",")))
     text = table(results, peak) + f"\n\n{time.strftime('%Y-%m-%d')}, {machine()}"
     print(text)
     with open(os.path.join(args.out, "table.md"), "w") as f:

@@ -27,7 +27,10 @@ def grouped_mm_runs(x: torch.Tensor, w: torch.Tensor) -> bool:
 def expert_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """x (rows, in) grouped by expert, counts[e] rows for expert e; w (experts, out, in) -> (rows, out):
     each group times its expert's matrix, in one grouped matmul where one runs."""
-    w = w.to(x.dtype)  # under autocast x is in the compute dtype, the stacked weights are not cast for us
+    # torch._grouped_mm is no autocast op: under autocast both go to its dtype (x may come from a norm
+    # in fp32; the stacked weights are never cast for us), else fp32 matmuls per expert ran on the GPU
+    dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+    x, w = x.to(dtype), w.to(dtype)
     if grouped_mm_runs(x, w):
         return torch._grouped_mm(x, w.transpose(-2, -1), offs=counts.cumsum(0).to(torch.int32))
     return matmul_per_expert(x, w, counts)

@@ -72,3 +72,19 @@ def test_the_recipes_model_parts():
         assert torch.equal(valued(idx)[0], plain(idx)[0])
         first.value_mix.copy_(torch.tensor([1.0, 1.0]))
         assert not torch.allclose(valued(idx)[0], plain(idx)[0])
+
+
+def test_under_autocast_the_residual_stream_is_in_its_dtype():
+    """As FSDP2's bf16 parameters give it: each block takes and returns x in autocast's dtype, so one
+    process computes as its sharded twin does; without autocast the stream stays fp32."""
+    model = GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=16))
+    seen = []
+    for block in model.blocks:
+        block.register_forward_hook(lambda module, args, out: seen.append((args[0].dtype, out.dtype)))
+    idx = torch.randint(0, 64, (2, 8))
+    with torch.autocast("cpu", torch.bfloat16):
+        model(idx, idx)
+    assert seen == [(torch.bfloat16, torch.bfloat16)] * 2
+    seen.clear()
+    model(idx, idx)
+    assert seen == [(torch.float32, torch.float32)] * 2

@@ -67,6 +67,17 @@ def test_every_token_to_two_experts_and_the_grouped_matmul_equals_one_per_expert
     assert moe.pending[:4].tolist() == [32.0, 32.0, 0.0, 0.0]  # each forward counted its 16 tokens per expert
 
 
+def test_under_autocast_the_experts_compute_in_its_dtype():
+    """torch._grouped_mm is no autocast op: fp32 rows (a norm's output) and fp32 weights are cast to
+    autocast's dtype, else a GPU ran the experts as fp32 matmuls, one per expert, after a host sync."""
+    x, w = torch.randn(6, 32), torch.randn(4, 16, 32)
+    counts = torch.tensor([1, 2, 0, 3])
+    with torch.autocast("cpu", torch.bfloat16):
+        out = moe_module.expert_matmul(x, w, counts)
+    assert out.dtype == torch.bfloat16
+    assert moe_module.expert_matmul(x, w, counts).dtype == torch.float32  # no autocast: as given
+
+
 def test_the_balancing_loss_changes_the_gradient_not_the_loss():
     x, y = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
     results = {}
