@@ -98,11 +98,6 @@ def forward_backward(model, loader: BatchLoader, step: int, accum_steps: int, ti
     return loss_sum / (accum_steps * world)
 
 
-def due(step: int, interval: int, cfg) -> bool:
-    """Whether an every-`interval`-steps event (a log line, an eval, a save) falls on `step`: the last step has each."""
-    return step % interval == 0 or step == cfg.max_iters
-
-
 def train(cfg) -> int:
     stop = StopRequest()  # first: a preemption or Ctrl-C during start-up still ends with a checkpoint
     topo = init_distributed(cfg)
@@ -167,7 +162,7 @@ def train(cfg) -> int:
             balance.step()
             times.end()
             profiling.end(step)
-            if due(step, cfg.log_interval, cfg):
+            if cfg.due(step, cfg.log_interval):
                 log.train(step, loss.item(), lr, full_tensor(grad_norm).item(), per_rank_stats(model, optimizer, device, times.row()),
                           guard.skipped_steps(), loader.scalars(step) | balance.scalars(), spikes.since_last_log(),
                           spikes.total())
@@ -179,11 +174,11 @@ def train(cfg) -> int:
                 if topo.is_main:
                     print(f"{request}: stopped after step {step} with its checkpoint saved", flush=True)
                 break
-            if due(step, cfg.eval_interval, cfg):
+            if cfg.due(step, cfg.eval_interval):
                 watchdog.arm(f"the eval at step {step}")
                 log.val(step, *evaluate(model, gpt, loader, cfg, tokenizer, mc_sets, compute))
                 log.start(step)  # tokens/s and ETA count training time only
-            if due(step, cfg.save_interval, cfg):
+            if cfg.due(step, cfg.save_interval):
                 watchdog.arm(f"the save of step {step}")
                 ckpt.save(step, model, optimizer)
                 log.start(step)

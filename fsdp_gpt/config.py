@@ -159,6 +159,11 @@ class TrainConfig(ModelKeys):
     collective_timeout: float = key(300.0, "seconds any other training step, its collectives included, may take "
                                            "before the run stops as hung, naming the ranks that did not arrive")
 
+    def due(self, step: int, interval: int) -> bool:
+        """Whether an every-`interval`-steps event (a log line, an eval, a save) falls on `step`: the
+        last step has each."""
+        return step % interval == 0 or step == self.max_iters
+
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 def named_paths(paths: list[str]) -> dict[str, str]:
@@ -203,6 +208,11 @@ def validate_model(cfg: TrainConfig) -> None:
     require(cfg.mlp is None or cfg.mlp in MLPS, f"mlp '{cfg.mlp}' is not one of {', '.join(MLPS)}")
     require(cfg.logit_softcap is None or cfg.logit_softcap > 0,
             f"logit_softcap must be positive (or null: off), got {cfg.logit_softcap}")
+    # each block starts the gathers of the ones after it: a depth past the last block would say more
+    # than the run does (init_from's folder sets n_layer, so this waits for the model's keys)
+    require(cfg.fsdp_prefetch < max(cfg.n_layer, 2),
+            f"fsdp_prefetch={cfg.fsdp_prefetch} reaches past the model's {cfg.n_layer} blocks: at most "
+            f"{max(cfg.n_layer - 1, 1)} (each block prefetches the blocks after it)")
     check_moe(cfg)
     check_context_parallel(cfg)
     # resolved, as the run prints its config and its checkpoints keep it: a reader of the checkpoint

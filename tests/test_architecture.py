@@ -1,5 +1,5 @@
 """The house's rules (docs/architecture.md), checked on the source: the root holds the programs a
-user runs, each answering --help; the package's layers import downwards only; the model knows
+user runs, each answering --help, and the design card's two faces; the package's layers import downwards only; the model knows
 nothing of distribution, checkpoints or logging; no module grows past ~400 lines."""
 import ast
 import glob
@@ -13,6 +13,7 @@ from conftest import ROOT
 
 PACKAGE = os.path.join(ROOT, "fsdp_gpt")
 ENTRY_POINTS = ["train_fsdp.py", "sample.py", "evaluate.py", "export_hf.py", "data.py", "consolidate.py"]
+FACES = ["model.py", "fsdp_ckpt.py"]  # the design card's files: the package's names for users' imports (test_faces.py)
 # lowest first: a module imports from lower layers and from its own group, never from above or beside
 LAYERS = [("families", "compat"), ("config", "model"), ("files",), ("hf_format", "resilience"), ("distributed",),
           ("data", "optim", "observe"), ("evaluation", "checkpoint")]
@@ -49,8 +50,8 @@ def imports(path: str) -> set[str]:
     return names
 
 
-def test_root_holds_the_entry_points_only():
-    assert sorted(os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "*.py"))) == sorted(ENTRY_POINTS)
+def test_root_holds_the_entry_points_and_faces_only():
+    assert sorted(os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "*.py"))) == sorted(ENTRY_POINTS + FACES)
 
 
 @pytest.mark.parametrize("script", ENTRY_POINTS)

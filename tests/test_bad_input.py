@@ -52,6 +52,7 @@ def one_line(code, capsys, *phrases):
     ({"fsdp_prefetch": -1}, ["fsdp_prefetch must be 0 or more blocks, got -1"]),
     ({"fsdp_prefetch": 1, "fsdp": False}, ["fsdp_prefetch needs fsdp: true"]),
     ({"arch": "llama", "moe_experts": 4, "ep_size": 2, "fsdp_prefetch": 1}, ["fsdp_prefetch with ep_size > 1"]),
+    ({"n_layer": 4, "fsdp_prefetch": 100}, ["fsdp_prefetch=100 reaches past the model's 4 blocks: at most 3"]),
     ({"optimizer": "sgd"}, ["optimizer 'sgd' is not one of adamw, muon"]),
     ({"arch": "mamba"}, ["arch 'mamba' is not one of gpt2, llama"]),
     ({"arch": "llama", "n_head": 4, "n_kv_head": 3}, ["n_kv_head=3 must divide n_head=4"]),

@@ -1,7 +1,9 @@
-"""FSDP2's dim-0 shards seen from one rank: which rows it holds, and state laid out like them.
-Shared by the checkpoint files, Muon's gather of whole matrices and the per-rank statistics."""
+"""FSDP2's dim-0 shards seen from one rank: which rows it holds, which of them it counts in a sum
+over ranks, and state laid out like them. Shared by the checkpoint files, Muon's gather of whole
+matrices, clipping's norm and the per-rank statistics."""
 import torch
-from torch.distributed.tensor import DTensor
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -23,6 +25,15 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
 def local_part(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of a (possibly sharded) tensor: a DTensor's local tensor, a plain one itself."""
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def counted_here(t: torch.Tensor) -> bool:
+    """Whether this rank counts its slice of t in a sum over every rank, so that each element is
+    counted once: the first of the ranks that hold the same slice (its replicas: HYBRID_SHARD's
+    replicate dimension; every rank, for a plain tensor, of which rank 0 counts it)."""
+    if not isinstance(t, DTensor):
+        return dist.get_rank() == 0
+    return all(t.device_mesh.get_local_rank(d) == 0 for d, p in enumerate(t.placements) if isinstance(p, Replicate))
 
 
 def local_slice(t: torch.Tensor) -> tuple[torch.Tensor, int]:

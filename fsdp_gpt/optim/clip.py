@@ -5,17 +5,8 @@ then one over ep). There every rank sums the squares of its own slices, each sli
 of the ranks holding it, and one all-reduce of that number over every rank gives the global norm."""
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Replicate
 
-from fsdp_gpt.distributed.shards import local_part
-
-
-def counted_here(g: torch.Tensor) -> bool:
-    """Whether this rank counts its slice of g: the first of the ranks that hold the same slice (its
-    replicas: HYBRID_SHARD's replicate dimension; every rank, for a plain tensor)."""
-    if not isinstance(g, DTensor):
-        return dist.get_rank() == 0
-    return all(g.device_mesh.get_local_rank(d) == 0 for d, p in enumerate(g.placements) if isinstance(p, Replicate))
+from fsdp_gpt.distributed.shards import counted_here, local_part
 
 
 def clip_gradients(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
