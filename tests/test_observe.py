@@ -148,6 +148,32 @@ def test_mfu_peak_holds_under_load(tmp_path, monkeypatch, capsys):
     assert scalars(str(tmp_path), "perf/mfu") == {1: 1.0}
 
 
+def test_a_figure_reaches_the_console_by_its_row_alone(tmp_path, monkeypatch, capsys):
+    """Every figure a log step has reaches TensorBoard; the console shows those CONSOLE names, by its
+    row: a maintainer's new figure (here the embedding's mean absolute gradient, an owner's scalar)
+    shows once its row is added, and nothing else in the logger knows it."""
+    cfg = types.SimpleNamespace(max_iters=10, straggler_ratio=1.2, spike_skip=True, tensorboard_dir=str(tmp_path))
+    monkeypatch.setattr(peak_flops, "cpu_peak_flops", lambda: (1e9, "a test's peak"))
+    log = metrics.ProgressLog(True, cfg, tokens_per_step=1000, flops_per_token=1000, device=torch.device("cpu"),
+                              dtype=torch.float32, world_size=1)
+    memory = [0.5] * len(metrics.MEMORY_COLUMNS)
+    figures = {"grad/wte_abs_mean": 3.25e-4, "moe/busiest": 1.5, "moe/idle": 0.25}
+
+    def line(step: int) -> str:
+        log.start(step - 1)
+        log.train(step, 2.0, 1e-3, 1.0, torch.tensor([memory + [0.0, 0.01, 0.0]]), 1, figures, [(step, 7.5)], 3)
+        return next(text for text in capsys.readouterr().out.splitlines() if text.startswith(f"step {step}/10"))
+
+    first = line(1)
+    assert first.startswith("step 1/10 | loss 2.0000 | lr 1.00e-03 | ") and " tok/s | MFU " in first
+    assert " | mem 0.50 GB | ETA " in first and " | skipped 1 | experts busiest 1.50x, idle 25% | " in first
+    assert first.endswith(" | loss spike at step 1 (z 7.5, update skipped)") and "wte" not in first
+    monkeypatch.setattr(metrics, "CONSOLE", metrics.CONSOLE + [("grad/wte_abs_mean", metrics.shown("wte |g| {:.2e}"))])
+    assert line(2).endswith(" | loss spike at step 2 (z 7.5, update skipped) | wte |g| 3.25e-04")
+    log.close(torch.tensor([memory]))
+    assert scalars(str(tmp_path), "grad/wte_abs_mean") == pytest.approx({1: 3.25e-4, 2: 3.25e-4})  # TensorBoard keeps fp32
+
+
 def wandb_history(run_folder: str) -> tuple[str, dict[int, dict]]:
     """The run id and {step: scalars} of an offline wandb run's .wandb file (LevelDB-style records of
     wandb's protobufs: 32 KiB blocks, each record a 7-byte header, checksum, length and type)."""

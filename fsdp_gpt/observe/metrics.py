@@ -75,6 +75,43 @@ def _duration(seconds: float) -> str:
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
 
 
+def shown(form: str):
+    """A console field that formats its figure's value alone."""
+    return lambda value, line: form.format(value)
+
+
+# The console line, field by field after "step s/max": (a figure, how it shows), in the line's order.
+# Every figure a log step has reaches TensorBoard and wandb; the console shows those named here,
+# where the step has them (a form returning "" shows nothing). A figure a maintainer adds (an
+# owner's scalars(), or one computed in ProgressLog.train) shows on the console by a row here and
+# nowhere else. Beside the scalars a line has values of its own: "mfu" (None where the peak is
+# unknown), "eta_s", "spikes" ((step, z) since the last line) and "slowest" (the lagging rank, its
+# ratio to the median, its data and compute ms a step; None where no rank lags).
+CONSOLE = [
+    ("train/loss", shown("loss {:.4f}")),
+    ("train/lr", shown("lr {:.2e}")),
+    ("perf/tokens_per_sec", shown("{:,.0f} tok/s")),
+    ("mfu", lambda mfu, line: "MFU n/a" if mfu is None else f"MFU {100 * mfu:.1f}%"),
+    # on CPU every memory column but state is the process's peak RSS: one figure is enough
+    ("mem/peak_gb", lambda gb, line: f"mem {gb:.2f} GB" + (
+        f" ({line['mem/reserved_gb']:.2f} reserved)" if line["mem/reserved_gb"] != gb else "")),
+    ("eta_s", lambda seconds, line: f"ETA {_duration(seconds)}"),
+    ("train/skipped_steps", lambda skipped, line: f"skipped {skipped}" if skipped else ""),
+    # the worst MoE layer's: docs/models.md
+    ("moe/busiest", lambda busiest, line: f"experts busiest {busiest:.2f}x, idle {100 * line['moe/idle']:.0f}%"),
+    ("spikes", lambda spikes, line: " | ".join(
+        f"loss spike at step {step} (z {z:.1f}{', update skipped' if line['spike_skip'] else ''})" for step, z in spikes)),
+    ("slowest", lambda lag, line: "" if lag is None else (
+        f"slowest rank {lag[0]}: {lag[1]:.2f}x the median (data {lag[2]:.0f} ms, compute {lag[3]:.0f} ms a step)")),
+]
+
+
+def console_fields(line: dict) -> str:
+    """The console's fields of a log step's figures and values, " | " before each shown one."""
+    fields = (form(line[tag], line) for tag, form in CONSOLE if tag in line)
+    return "".join(f" | {field}" for field in fields if field)
+
+
 class ProgressLog:
     """Created on every rank; only rank 0 prints and writes TensorBoard events."""
 
@@ -142,29 +179,19 @@ class ProgressLog:
                             1e3 * statistics.median(values), f"time/{column}_ms/max": 1e3 * max(values)}
         slowest, ratio = slowest_rank(times)
         scalars |= {"time/slowest_rank": slowest, "time/slowest_ratio": ratio}
-        mfu = "n/a"
+        mfu = None
         if self.peak_flops:
             # a CPU's peak with no vector bound is a measurement, which a busy moment undercuts: what
             # the run itself reached is a peak too, so the figure never passes 100%
             self.peak_flops = max(self.peak_flops, tokens_per_sec * self.flops_per_token)
-            scalars["perf/mfu"] = tokens_per_sec * self.flops_per_token / self.peak_flops
-            mfu = f"{100 * scalars['perf/mfu']:.1f}%"
+            mfu = scalars["perf/mfu"] = tokens_per_sec * self.flops_per_token / self.peak_flops
         self._write(scalars, step)
-        eta = _duration(step_time * (self.max_iters - step))
-        # on CPU every column but state is the process's peak RSS: one figure is enough
-        reserved = f" ({largest['reserved']:.2f} reserved)" if largest["reserved"] != largest["peak"] else ""
-        skips = f" | skipped {skipped}" if skipped else ""
-        late = ""
+        lag = None
         if ratio > self.straggler_ratio:
-            data_ms, compute_ms = (1e3 * t for t in times[slowest, :2].tolist())
-            late = (f" | slowest rank {slowest}: {ratio:.2f}x the median (data {data_ms:.0f} ms, compute "
-                    f"{compute_ms:.0f} ms a step)")
-        skip = ", update skipped" if self.spike_skip else ""
-        spiked = "".join(f" | loss spike at step {s} (z {z:.1f}{skip})" for s, z in spikes)
-        if "moe/busiest" in figures:  # the worst MoE layer's: docs/models.md
-            spiked = f" | experts busiest {figures['moe/busiest']:.2f}x, idle {100 * figures['moe/idle']:.0f}%" + spiked
-        print(f"step {step}/{self.max_iters} | loss {loss:.4f} | lr {lr:.2e} | {tokens_per_sec:,.0f} tok/s "
-              f"| MFU {mfu} | mem {largest['peak']:.2f} GB{reserved} | ETA {eta}{skips}{spiked}{late}", flush=True)
+            lag = (slowest, ratio, *(1e3 * t for t in times[slowest, :2].tolist()))
+        line = scalars | {"mfu": mfu, "eta_s": step_time * (self.max_iters - step), "spikes": spikes, "slowest": lag,
+                          "spike_skip": self.spike_skip}
+        print(f"step {step}/{self.max_iters}{console_fields(line)}", flush=True)
 
     def val(self, step: int, loss: float, sample: str, per_source: dict[str, float], mc: dict[str, dict]) -> None:
         """per_source: a mixture's val loss of each source (val/loss/{source}); mc: each multiple-choice
