@@ -234,7 +234,7 @@ CANONICAL = {  # name: (ranks, settings)
     "full2": (2, dict(checkpoint_type="full", sample_tokens=8)),
     "sharded2": (2, dict(checkpoint_type="sharded", async_save=True, sample_tokens=8)),
     # with explicit prefetch: each block's forward and backward start the next two blocks' all-gathers
-    "FULL_SHARD": (4, dict(checkpoint_type="sharded", fsdp_prefetch=2)),
+    "FULL_SHARD": (4, dict(checkpoint_type="sharded", fsdp_prefetch=1)),  # 1: the most 2 blocks have
     "SHARD_GRAD_OP": (4, dict(sharding_strategy="SHARD_GRAD_OP", checkpoint_type="sharded")),
     "NO_SHARD": (4, dict(sharding_strategy="NO_SHARD", checkpoint_type="sharded")),
     "HYBRID_SHARD": (4, dict(sharding_strategy="HYBRID_SHARD", fsdp_size=2, checkpoint_type="sharded")),

@@ -49,7 +49,7 @@ def test_four_ranks_match_one_process(strategy, single_process, run_of):
 
 
 def test_explicit_prefetch_names_the_next_blocks_each_way():
-    """fsdp_prefetch's lists (the FULL_SHARD run above trains with fsdp_prefetch 2 and matches one process)."""
+    """fsdp_prefetch's lists (the FULL_SHARD run above trains with fsdp_prefetch 1, the deepest its 2 blocks allow, and matches one process)."""
     from fsdp_gpt.distributed.parallelize import prefetch
 
     class Block:
