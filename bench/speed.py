@@ -7,6 +7,7 @@
     python bench/speed.py muon [--rounds 3]               # step time with muon vs adamw, 1 and 2 ranks
     python bench/speed.py muon_step                       # Muon's optimizer step alone: its share of a step
     python bench/speed.py fsdp [--rounds 3]               # 2 ranks: explicit prefetch, reduce_dtype bf16 vs fp32
+    python bench/speed.py nanogpt --nanogpt PATH          # trainer vs nanoGPT's train.py (a checkout of it at PATH)
 
 The model: 4 layers, 256 wide (plain: 128 and 256, or --widths), block 128, batch 16, fp32,
 byte tokens (the demo's data).
@@ -15,6 +16,7 @@ Each run's tokens/s is the median over intervals of WARMUP steps (plain: PLAIN_I
 """
 import argparse
 import os
+import pickle
 import re
 import statistics
 import subprocess
@@ -146,6 +148,45 @@ def bench_plain(rounds: int, compile: bool, widths: list[int], workdir: str) -> 
               f"the trainer's own cost {1e3 * (tokens / t - tokens / p):.2f} ms a step (best of each)", flush=True)
 
 
+def nanogpt_rate(checkout: str, workdir: str, width: int, iters: int = PLAIN_INTERVAL + PLAIN_STEPS) -> float:
+    """Tokens/s of nanoGPT's own train.py (karpathy/nanoGPT, a checkout the user names: not part of this
+    project) on the demo's bytes at the plain loop's shape and settings: the median over its logged
+    iterations after the first interval. It reads configurator.py and data/{dataset}/ from its working
+    directory, so the run's folder gets links to both (and meta.pkl: the vocabulary)."""
+    folder = os.path.join(workdir, "nanogpt")
+    data = os.path.join(folder, "data", "demo")
+    os.makedirs(data, exist_ok=True)
+    for name, source in (("configurator.py", os.path.join(checkout, "configurator.py")),
+                         ("data/demo/train.bin", os.path.join(demo_data(), "train.bin")),
+                         ("data/demo/val.bin", os.path.join(demo_data(), "val.bin"))):
+        if not os.path.lexists(os.path.join(folder, name)):
+            os.symlink(source, os.path.join(folder, name))
+    with open(os.path.join(data, "meta.pkl"), "wb") as f:
+        pickle.dump({"vocab_size": 256}, f)
+    settings = shape(width) | dict(dataset="demo", device="cpu", compile=False, dtype="float32", batch_size=BATCH,
+                                   gradient_accumulation_steps=1, dropout=0.0, bias=True, max_iters=iters,
+                                   log_interval=1, eval_interval=10 ** 6, eval_iters=1, always_save_checkpoint=False,
+                                   learning_rate=6e-4, decay_lr=False, weight_decay=0.1, grad_clip=1.0,
+                                   out_dir=os.path.join(folder, "out"), wandb_log=False)
+    out = run([sys.executable, os.path.join(checkout, "train.py")] + [f"--{k}={v}" for k, v in settings.items()], 1, folder)
+    times = [float(ms) for ms in re.findall(r"^iter \d+: loss \S+, time ([\d.]+)ms", out, re.M)]
+    return BATCH * shape()["block_size"] / (statistics.median(times[PLAIN_INTERVAL:]) / 1e3)
+
+
+def bench_nanogpt(rounds: int, widths: list[int], checkout: str, workdir: str) -> None:
+    if not os.path.exists(os.path.join(checkout, "train.py")):
+        sys.exit(f"error: no nanoGPT train.py in {checkout} (git clone https://github.com/karpathy/nanoGPT)")
+    for width in widths:
+        pairs = []
+        for round_ in range(rounds):
+            t, n = in_turn(lambda: trainer_rate(1, workdir, width=width, interval=PLAIN_INTERVAL, steps=PLAIN_STEPS),
+                           lambda: nanogpt_rate(checkout, workdir, width), round_)
+            pairs.append((t, n))
+            print(f"  {width} wide: trainer {t:,.0f} tok/s, nanoGPT {n:,.0f} tok/s", flush=True)
+        print(f"{width} wide: trainer / nanoGPT, median of the pairs' ratios {statistics.median(t / n for t, n in pairs):.3f}, "
+              f"best {max(t for t, _ in pairs) / max(n for _, n in pairs):.3f}", flush=True)
+
+
 def bench_scaling(rounds: int, workdir: str) -> None:
     ratios = {(s, n): [] for s in STRATEGIES for n in (2, 4)}
     base = []
@@ -245,7 +286,9 @@ def bench_muon_step(rounds: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=("plain", "scaling", "loader", "muon", "muon_step", "fsdp", "_plain_loop"))
+    parser.add_argument("what", choices=("plain", "scaling", "loader", "muon", "muon_step", "fsdp", "nanogpt",
+                                         "_plain_loop"))
+    parser.add_argument("--nanogpt", help="nanogpt: a checkout of karpathy/nanoGPT")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--compile", action="store_true", help="plain: compile both sides")
     parser.add_argument("--widths", type=int, nargs="+", default=[128, 256], help="plain: the models' widths")
@@ -264,6 +307,8 @@ def main() -> None:
         bench_muon(args.rounds, workdir)
     elif args.what == "fsdp":
         bench_fsdp(args.rounds, workdir)
+    elif args.what == "nanogpt":
+        bench_nanogpt(args.rounds, args.widths, args.nanogpt or "", workdir)
     elif args.what == "muon_step":
         bench_muon_step(max(args.rounds, 3) * 4)
     else:
