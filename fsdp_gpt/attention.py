@@ -1,12 +1,20 @@
 """Attention's core for the model (no distributed code): causal over whole rows, or over the
-documents inside them (doc_mask), and which grouped-query attention SDPA runs without a T x T matrix.
-Context parallelism swaps the core from outside (distributed/context_parallel.py).
+documents inside them (doc_mask), in full or within a sliding window; and which grouped-query
+attention SDPA runs without a T x T matrix. Context parallelism swaps the core from outside
+(distributed/context_parallel.py).
+
+A window of W: a query attends to the W keys up to itself, itself included (key j of query i where
+i - W < j <= i, as transformers' Gemma 3 and Mistral count it); None, or W at least the row, is
+full causal attention, computed as such. Windows are computed without a T x T matrix: on CUDA's
+flash kernel by its own window (window_size_left = W - 1), elsewhere in bands (banded_attention).
 """
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from fsdp_gpt.compat import flash_takes_window
 
 
 def sdpa_takes_gqa(q: torch.Tensor) -> bool:
@@ -106,29 +114,76 @@ class Documents:
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, enable_gqa: bool,
-                     docs: Documents | None = None) -> torch.Tensor:
+                     docs: Documents | None = None, window: int | None = None,
+                     scale: float | None = None) -> torch.Tensor:
     """Attention's core: q (B, heads, T, head_dim), k and v (B, kv heads, T, head_dim) -> like q.
-    docs: where documents lie in these rows, or None: each row is one sequence. SDPA picks the flash
-    or memory-efficient kernel on GPU, a fused flash kernel on CPU."""
-    if docs is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, enable_gqa=enable_gqa)
-    return document_attention(q, k, v, dropout_p, enable_gqa, docs)
+    docs: where documents lie in these rows, or None: each row is one sequence. window: each
+    query's keys, itself and the window - 1 before it (None: every earlier key); scale: the scores'
+    factor (None: 1/sqrt(head_dim)). SDPA picks the flash or memory-efficient kernel on GPU, a fused
+    flash kernel on CPU."""
+    if docs is not None:
+        return document_attention(q, k, v, dropout_p, enable_gqa, docs, window, scale)
+    if window is None or window >= q.shape[-2]:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, enable_gqa=enable_gqa,
+                                              scale=scale)
+    if varlen_runs(q, window):  # each row a sequence of the varlen call
+        B, T = q.shape[0], q.shape[-2]
+        rows = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=q.device)
+        return VarlenAttention.apply(q, k, v, rows, dropout_p, window, scale)
+    return banded_attention(q, k, v, window, dropout_p, enable_gqa, scale)
 
 
-def varlen_runs(q: torch.Tensor) -> bool:
+def band_mask(blocks: int, window: int, device: torch.device) -> torch.Tensor:
+    """(blocks, 1, window, 2 window): which of a block's keys (the block before, then its own) each of
+    its queries attends to: key j of query i where i < j <= i + window, and none of block 0's
+    first half (there is no block before it)."""
+    i = torch.arange(window, device=device)[:, None]
+    j = torch.arange(2 * window, device=device)[None, :]
+    mask = ((j > i) & (j <= i + window)).expand(blocks, window, 2 * window).clone()
+    mask[0, :, :window] = False
+    return mask.unsqueeze(1)
+
+
+def banded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, dropout_p: float,
+                     enable_gqa: bool, scale: float | None) -> torch.Tensor:
+    """Causal attention within a window, in work and memory linear in the row: the row cut into
+    blocks of `window` queries, each block's against its own keys and the block before's (2 x window
+    keys, the band masked), one SDPA call for every block of every row. The row is padded to whole
+    blocks at its end, keys no real query reaches."""
+    B, H, T, D = q.shape
+    blocks = -(-T // window)
+
+    def cut(t: torch.Tensor) -> torch.Tensor:  # (B, h, T, D) -> (B, h, blocks, window, D)
+        return F.pad(t, (0, 0, 0, blocks * window - T)).unflatten(2, (blocks, window))
+
+    def batched(t: torch.Tensor) -> torch.Tensor:  # (B, h, blocks, L, D) -> (B x blocks, h, L, D)
+        return t.transpose(1, 2).flatten(0, 1)
+
+    kb, vb = cut(k), cut(v)
+    # each block's keys: the block before it (block 0: zeros, masked), then its own
+    k2, v2 = (torch.cat([F.pad(t, (0, 0, 0, 0, 1, 0))[:, :, :blocks], t], dim=3) for t in (kb, vb))
+    mask = band_mask(blocks, window, q.device).repeat(B, 1, 1, 1)  # (B x blocks, 1, window, 2 window)
+    out = F.scaled_dot_product_attention(batched(cut(q)), batched(k2), batched(v2), attn_mask=mask,
+                                         dropout_p=dropout_p, enable_gqa=enable_gqa, scale=scale)
+    return out.unflatten(0, (B, blocks)).transpose(1, 2).flatten(2, 3)[:, :, :T]
+
+
+def varlen_runs(q: torch.Tensor, window: int | None = None) -> bool:
     """Whether CUDA's flash kernel takes the documents as sequences of their own (varlen): where SDPA
-    would run it (sdpa_takes_gqa), with its head counts as they are."""
-    return q.device.type == "cuda" and sdpa_takes_gqa(q)
+    would run it (sdpa_takes_gqa), with its head counts as they are, and with a window where this
+    torch's kernel takes one."""
+    return q.device.type == "cuda" and sdpa_takes_gqa(q) and (window is None or flash_takes_window())
 
 
 @torch.compiler.disable  # host-side bookkeeping of the documents (made once a forward): eager in compiled blocks
 def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, enable_gqa: bool,
-                       docs: Documents) -> torch.Tensor:
-    """doc_mask: a token attends to the earlier tokens of its own document only. On CUDA's flash
-    kernel, one varlen call over every document of every row; elsewhere, in groups of like length."""
-    if varlen_runs(q):
-        return VarlenAttention.apply(q, k, v, docs.sequences(q.device), dropout_p)
-    return grouped_document_attention(q, k, v, dropout_p, enable_gqa, docs)
+                       docs: Documents, window: int | None = None, scale: float | None = None) -> torch.Tensor:
+    """doc_mask: a token attends to the earlier tokens of its own document only (within the window,
+    where one is set). On CUDA's flash kernel, one varlen call over every document of every row;
+    elsewhere, in groups of like length."""
+    if varlen_runs(q, window):
+        return VarlenAttention.apply(q, k, v, docs.sequences(q.device), dropout_p, window, scale)
+    return grouped_document_attention(q, k, v, dropout_p, enable_gqa, docs, window, scale)
 
 
 aten = torch.ops.aten
@@ -140,51 +195,60 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(1, 2).reshape(B * T, heads, D)
 
 
-def varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, dropout_p: float):
+def flash_window(window: int | None) -> dict:
+    """The flash kernel's window arguments: keys up to window - 1 before the query, none after it."""
+    return {} if window is None else dict(window_size_left=window - 1, window_size_right=0)
+
+
+def varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, dropout_p: float,
+                   window: int | None = None, scale: float | None = None):
     """The flash kernel's variable-length form, causal within each document (cu_seqlens: their
     bounds in the rows laid end to end): one call for all of them, nothing gathered or padded. ->
     the output like q, its log-sum-exp (B, heads, T) in fp32, and what the backward needs."""
     B, H, T, D = q.shape
     out, lse, rng_state, unused, _ = aten._flash_attention_forward(_flat(q), _flat(k), _flat(v), cu_seqlens, cu_seqlens,
-                                                                   T, T, dropout_p, True, False)
+                                                                   T, T, dropout_p, True, False, scale=scale,
+                                                                   **flash_window(window))
     return out.view(B, T, H, D).transpose(1, 2), lse.view(H, B, T).transpose(0, 1), (rng_state, unused)
 
 
-def varlen_backward(dout, q, k, v, out, lse, cu_seqlens: torch.Tensor, dropout_p: float, aux) -> list[torch.Tensor]:
+def varlen_backward(dout, q, k, v, out, lse, cu_seqlens: torch.Tensor, dropout_p: float, aux,
+                    window: int | None = None, scale: float | None = None) -> list[torch.Tensor]:
     """dq, dk, dv of varlen_forward, given the output and log-sum-exp to take (a ring's merged ones)."""
     B, H, T, D = q.shape
     grads = aten._flash_attention_backward(_flat(dout), _flat(q), _flat(k), _flat(v), _flat(out),
                                            lse.transpose(0, 1).reshape(H, B * T), cu_seqlens, cu_seqlens, T, T,
-                                           dropout_p, True, *aux)
+                                           dropout_p, True, *aux, scale=scale, **flash_window(window))
     return [g.reshape(B, T, -1, D).transpose(1, 2) for g in grads]
 
 
 class VarlenAttention(torch.autograd.Function):
-    """doc_mask on CUDA's flash kernel: every document of every row in one varlen call, and only each
-    document's own causal work done."""
+    """doc_mask (and windows) on CUDA's flash kernel: every document of every row in one varlen call,
+    and only each document's own causal work done (within the window, where one is set)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, dropout_p):
-        out, lse, aux = varlen_forward(q, k, v, cu_seqlens, dropout_p)
+    def forward(ctx, q, k, v, cu_seqlens, dropout_p, window=None, scale=None):
+        out, lse, aux = varlen_forward(q, k, v, cu_seqlens, dropout_p, window, scale)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, *aux)
-        ctx.dropout_p = dropout_p
+        ctx.dropout_p, ctx.window, ctx.scale = dropout_p, window, scale
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, cu_seqlens, *aux = ctx.saved_tensors
-        return *varlen_backward(dout, q, k, v, out, lse, cu_seqlens, ctx.dropout_p, aux), None, None
+        grads = varlen_backward(dout, q, k, v, out, lse, cu_seqlens, ctx.dropout_p, aux, ctx.window, ctx.scale)
+        return *grads, None, None, None, None
 
 
 def grouped_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, enable_gqa: bool,
-                               docs: Documents) -> torch.Tensor:
+                               docs: Documents, window: int | None = None, scale: float | None = None) -> torch.Tensor:
     """doc_mask where no varlen kernel runs (the CPU): the documents of all rows are gathered into
-    groups of like length (Documents.buckets), and each group is one causal SDPA call: no mask is
-    built, memory is about the unmasked call's, and the work is each document's length squared, so a
-    row of many short documents costs less than a row of one."""
+    groups of like length (Documents.buckets), and each group is one causal call (within the window,
+    where one is set): no mask is built, memory is about the unmasked call's, and the work is each
+    document's length squared, so a row of many short documents costs less than a row of one."""
     buckets = docs.buckets(q.device)
     flat = [by_position(t) for t in (q, k, v)]  # (B*T, heads, D)
-    results = [by_position(F.scaled_dot_product_attention(*(t[gather].transpose(1, 2) for t in flat), is_causal=True,
-                                                          dropout_p=dropout_p, enable_gqa=enable_gqa))
+    results = [by_position(causal_attention(*(t[gather].transpose(1, 2) for t in flat), dropout_p, enable_gqa,
+                                            window=window, scale=scale))
                for gather in buckets.gathers]  # (documents x padded length, heads, D) each
     return buckets.regroup(results, q.shape[0])

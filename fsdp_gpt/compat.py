@@ -23,6 +23,12 @@ def grouped_mm_on_cpu() -> bool:
     return torch_version() >= (2, 13)
 
 
+def flash_takes_window() -> bool:
+    """Whether CUDA's flash kernel (aten._flash_attention_forward) takes a sliding window
+    (window_size_left/right; read from its schema: 2.13 has them)."""
+    return "window_size_left" in str(torch.ops.aten._flash_attention_forward.default._schema)
+
+
 def average_over_gloo(unit, device: torch.device, reduces: bool = True) -> None:
     """FSDP2 averages gradients with ReduceOp.AVG, which gloo sums without dividing in torch 2.8: on
     gloo (CPU), an FSDP unit sums and divides by the data-parallel size instead (NCCL keeps AVG).

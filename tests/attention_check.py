@@ -11,6 +11,9 @@ computed in fp32 (test_ring_attention.py on the CPU; test_gpu.py runs it on CUDA
 - "varlen call" (CUDA only): attention.VarlenAttention, the flash kernel's one call over every document;
   "varlen log-sum-exp": its log-sum-exp (what the ring merges by) against the dense one.
 - "ring kernels, documents": the ring of one rank (its kernels and per-document rectangles).
+- "window", "window, documents": a sliding window of 48 (CUDA: the flash kernel's window, by varlen;
+  elsewhere banded_attention and the per-document groups); "window, ring" (and with documents): the
+  ring's windowed tiles (distributed/window_ring.py) at one rank.
 Grouped-query heads (4 over 2) throughout.
 """
 import json
@@ -22,10 +25,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from fsdp_gpt.distributed.ring_attention import KERNELS, RingAttention, _fold, _merge, _repeat  # noqa: E402
-from fsdp_gpt.attention import (Documents, VarlenAttention, grouped_document_attention, varlen_forward,  # noqa: E402
-                                 varlen_runs)
+from fsdp_gpt.attention import (Documents, VarlenAttention, causal_attention, grouped_document_attention,  # noqa: E402
+                                 varlen_forward, varlen_runs)
 
 B, H, KV, T, D = 2, 4, 2, 256, 64
+WINDOW = 48  # a sliding window: on CUDA the flash kernel's own, elsewhere bands; the ring's tiles
 
 
 def inputs(device: str, dtype: torch.dtype) -> list[torch.Tensor]:
@@ -51,7 +55,8 @@ def merged_blocks(q, k, v, dout) -> list[torch.Tensor]:
     lse = torch.empty(mine.shape[:-1], dtype=torch.float32, device=q.device)
     auxes = []
     for i, (keys, causal) in enumerate(blocks):
-        block_out, block_lse, aux = run(mine, _repeat(k[:, :, keys], groups), _repeat(v[:, :, keys], groups), causal)
+        block_out, block_lse, aux = run(mine, _repeat(k[:, :, keys], groups), _repeat(v[:, :, keys], groups), causal,
+                                        None)
         auxes.append(aux)
         if i == 0:
             out.copy_(block_out)
@@ -62,7 +67,7 @@ def merged_blocks(q, k, v, dout) -> list[torch.Tensor]:
     dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=q.device) for t in (q, k, v))
     for (keys, causal), aux in zip(blocks, auxes):
         grads = run_backward(dout[:, :, half:], mine, _repeat(k[:, :, keys], groups), _repeat(v[:, :, keys], groups),
-                             out, lse, aux, causal)
+                             out, lse, aux, causal, None)
         dq[:, :, half:] += grads[0]
         dk[:, :, keys] += _fold(grads[1], groups)
         dv[:, :, keys] += _fold(grads[2], groups)
@@ -101,6 +106,12 @@ def largest_differences(device: str, dtype: torch.dtype) -> dict[str, float]:
         got["varlen log-sum-exp"] = ([varlen_forward(q, k, v, docs.sequences(q.device), 0.0)[1]], [dense_lse])
     ring = RingAttention(None, 0, [torch.arange(T)])
     got["ring kernels, documents"] = (with_autograd(lambda *t: ring(*t, 0.0, True, docs), q, k, v, dout), expected)
+    band = torch.ones(T, T, dtype=torch.bool, device=device).triu(1 - WINDOW).expand(B, T, T)  # i - j < WINDOW
+    for case, rows in (("", None), (", documents", docs)):
+        expected = reference(q, k, v, dout, (documents if rows else causal) & band)
+        got["window" + case] = (with_autograd(lambda *t: causal_attention(*t, 0.0, True, rows, WINDOW), q, k, v, dout),
+                                expected)
+        got["window, ring" + case] = (with_autograd(lambda *t: ring(*t, 0.0, True, rows, WINDOW), q, k, v, dout), expected)
     # relative to each tensor's largest entry: bf16 rounds at ~4e-3 of a value
     return {case: max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(ours, theirs))
             for case, (ours, theirs) in got.items()}

@@ -33,30 +33,31 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from fsdp_gpt.attention import DocumentBuckets, Documents, by_position, varlen_backward, varlen_forward, varlen_runs
+from fsdp_gpt.distributed.window_ring import WindowPlan, WindowRing
 
 aten = torch.ops.aten
 
 
-def _cpu_forward(q, k, v, causal: bool):
-    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+def _cpu_forward(q, k, v, causal: bool, scale: float | None):
+    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
     return out, lse, ()
 
 
-def _cpu_backward(dout, q, k, v, out, lse, aux, causal: bool):
-    return aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal)
+def _cpu_backward(dout, q, k, v, out, lse, aux, causal: bool, scale: float | None):
+    return aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal, scale=scale)
 
 
-def _cuda_forward(q, k, v, causal: bool):
+def _cuda_forward(q, k, v, causal: bool, scale: float | None):
     out, lse, *aux = aten._scaled_dot_product_flash_attention(q.contiguous(), k.contiguous(), v.contiguous(), 0.0,
-                                                              causal, False)
+                                                              causal, False, scale=scale)
     return out, lse, tuple(aux[:6])  # cum_seq_q, cum_seq_k, max_q, max_k, philox_seed, philox_offset: for backward
 
 
-def _cuda_backward(dout, q, k, v, out, lse, aux, causal: bool):
+def _cuda_backward(dout, q, k, v, out, lse, aux, causal: bool, scale: float | None):
     cum_q, cum_k, max_q, max_k, seed, offset = aux
     return aten._scaled_dot_product_flash_attention_backward(
         dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(), lse.contiguous(),
-        cum_q, cum_k, max_q, max_k, 0.0, causal, seed, offset)[:3]
+        cum_q, cum_k, max_q, max_k, 0.0, causal, seed, offset, scale=scale)[:3]
 
 
 KERNELS = {"cpu": (_cpu_forward, _cpu_backward), "cuda": (_cuda_forward, _cuda_backward)}
@@ -104,21 +105,22 @@ def _fold(t: torch.Tensor, groups: int) -> torch.Tensor:
     return t.unflatten(1, (-1, groups)).sum(2) if groups > 1 else t
 
 
-def _own_documents(run, q, k, v, groups: int, buckets: DocumentBuckets):
+def _own_documents(run, q, k, v, groups: int, buckets: DocumentBuckets, scale: float | None):
     """Step 0 under doc_mask: causal attention within each document of the rank's own tokens, a
     kernel call per group of like length. Output and log-sum-exp like q's, and each call's aux."""
     q_, k_, v_ = (by_position(t) for t in (q, k, v))
     outs, lses, auxes = [], [], []
     for gather in buckets.gathers:
         out, lse, aux = run(q_[gather].transpose(1, 2), *(_repeat(t[gather].transpose(1, 2), groups) for t in (k_, v_)),
-                            True)
+                            True, scale)
         outs.append(by_position(out))
         lses.append(by_position(lse))
         auxes.append(aux)
     return buckets.regroup(outs, q.shape[0]), buckets.regroup(lses, q.shape[0]), auxes
 
 
-def _own_documents_backward(run_backward, dout, q, k, v, out, lse, groups: int, buckets: DocumentBuckets, auxes):
+def _own_documents_backward(run_backward, dout, q, k, v, out, lse, groups: int, buckets: DocumentBuckets, auxes,
+                            scale: float | None):
     """dq, dk, dv of step 0 under doc_mask, with the final output and log-sum-exp (padding's queries
     carry no gradient: its rows of dout are zeroed)."""
     dout_, q_, k_, v_, out_, lse_ = (by_position(t) for t in (dout, q, k, v, out, lse))
@@ -126,24 +128,24 @@ def _own_documents_backward(run_backward, dout, q, k, v, out, lse, groups: int, 
     for gather, real, aux in zip(buckets.gathers, buckets.reals, auxes):
         block = run_backward((dout_[gather] * real[..., None, None]).transpose(1, 2), q_[gather].transpose(1, 2),
                              *(_repeat(t[gather].transpose(1, 2), groups) for t in (k_, v_)),
-                             out_[gather].transpose(1, 2), lse_[gather].transpose(1, 2), aux, True)
+                             out_[gather].transpose(1, 2), lse_[gather].transpose(1, 2), aux, True, scale)
         for kept, grad, fold in zip(grads, block, (1, groups, groups)):
             kept.append(by_position(_fold(grad, fold)))
     return [buckets.regroup(kept, q.shape[0]) for kept in grads]
 
 
-def _own_forward(run, q, k, v, groups: int, own: Documents):
+def _own_forward(run, q, k, v, groups: int, own: Documents, scale: float | None):
     """Step 0 under doc_mask: on CUDA's flash kernel one varlen call over the rank's own documents,
     elsewhere a call per group of like length."""
     if varlen_runs(q):
-        return varlen_forward(q, k, v, own.sequences(q.device), 0.0)
-    return _own_documents(run, q, k, v, groups, own.buckets(q.device))
+        return varlen_forward(q, k, v, own.sequences(q.device), 0.0, scale=scale)
+    return _own_documents(run, q, k, v, groups, own.buckets(q.device), scale)
 
 
-def _own_backward(run_backward, dout, q, k, v, out, lse, groups: int, own: Documents, aux):
+def _own_backward(run_backward, dout, q, k, v, out, lse, groups: int, own: Documents, aux, scale: float | None):
     if varlen_runs(q):
-        return varlen_backward(dout, q, k, v, out, lse, own.sequences(q.device), 0.0, aux)
-    return _own_documents_backward(run_backward, dout, q, k, v, out, lse, groups, own.buckets(q.device), aux)
+        return varlen_backward(dout, q, k, v, out, lse, own.sequences(q.device), 0.0, aux, scale=scale)
+    return _own_documents_backward(run_backward, dout, q, k, v, out, lse, groups, own.buckets(q.device), aux, scale)
 
 
 def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
@@ -163,6 +165,7 @@ class RingAttention:
         if self.cp > 1:
             self.next, self.prev = (dist.get_global_rank(group, (cp_rank + shift) % self.cp) for shift in (1, -1))
         self._plan = (None, None)  # (docs, plan) of the latest forward: every layer's
+        self._windows, self._masks = {}, (None, {})  # window -> WindowPlan; (docs, {window: masks}) of the latest
 
     def plan(self, docs: Documents | None) -> tuple[Documents | None, list[tuple[bool, list[tuple]]]]:
         """The rank's own tokens' documents (None without doc_mask), and per step: causal or not, and
@@ -201,15 +204,34 @@ class RingAttention:
             return received
         return wait
 
+    def global_rank(self, rank: int) -> int:
+        return dist.get_global_rank(self.group, rank)
+
+    def window_plan(self, window: int, docs: Documents | None, device: torch.device) -> tuple[WindowPlan, list]:
+        """The exchanges and tiles of a window (made once), and its tiles' masks for these rows'
+        documents (made once per forward: every layer of that window reads them)."""
+        if window not in self._windows:
+            self._windows[window] = WindowPlan(self.rank, self.positions, window)
+        if self._masks[0] is not docs:
+            self._masks = (docs, {})
+        masks = self._masks[1]
+        if window not in masks:
+            masks[window] = self._windows[window].masks(None if docs is None else docs.ids, device)
+        return self._windows[window], masks[window]
+
     @torch.compiler.disable  # host loops and point-to-point sends: eager inside a compiled block
-    def __call__(self, q, k, v, dropout_p: float, enable_gqa: bool, docs: Documents | None = None) -> torch.Tensor:
+    def __call__(self, q, k, v, dropout_p: float, enable_gqa: bool, docs: Documents | None = None,
+                 window: int | None = None, scale: float | None = None) -> torch.Tensor:
         assert dropout_p == 0.0, "config.validate refuses dropout with cp_mode: ring"
-        return _Ring.apply(q, k, v, self, *self.plan(docs))
+        if window is not None and window < sum(map(len, self.positions)):  # shorter than a row: window_ring.py
+            plan, masks = self.window_plan(window, docs, q.device)
+            return WindowRing.apply(q, k, v, self, plan, masks, q.shape[-1] ** -0.5 if scale is None else scale)
+        return _Ring.apply(q, k, v, self, *self.plan(docs), scale)
 
 
 class _Ring(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, ring: RingAttention, own: Documents | None, plan: list):
+    def forward(ctx, q, k, v, ring: RingAttention, own: Documents | None, plan: list, scale: float | None):
         run, _ = KERNELS[q.device.type]
         groups = q.shape[1] // k.shape[1]
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # merged in fp32
@@ -218,13 +240,13 @@ class _Ring(torch.autograd.Function):
         for step, (causal, rects) in enumerate(plan):
             incoming = ring.pass_on(kv) if step < ring.cp - 1 else None  # the next block travels meanwhile
             if step == 0 and own is not None:
-                own_out, own_lse, own_auxes = _own_forward(run, q, k, v, groups, own)
+                own_out, own_lse, own_auxes = _own_forward(run, q, k, v, groups, own, scale)
                 out.copy_(own_out)
                 lse.copy_(own_lse)
                 auxes.append(own_auxes)
             for rows, q0, q1, k0, k1 in rects:
                 block_out, block_lse, aux = run(q[rows, :, q0:q1], *(_repeat(t, groups) for t in kv[:, rows, :, k0:k1]),
-                                                causal)
+                                                causal, scale)
                 auxes.append(aux)
                 if step == 0:  # every query attends to itself at step 0: the first result of each
                     out[rows, :, q0:q1] = block_out
@@ -235,7 +257,7 @@ class _Ring(torch.autograd.Function):
                 kv = incoming()
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring, ctx.own, ctx.plan, ctx.auxes = ring, own, plan, auxes
+        ctx.ring, ctx.own, ctx.plan, ctx.auxes, ctx.scale = ring, own, plan, auxes, scale
         return out
 
     @staticmethod
@@ -250,7 +272,7 @@ class _Ring(torch.autograd.Function):
         for step, (causal, rects) in enumerate(ctx.plan):
             incoming = ring.pass_on(kv) if step < ring.cp - 1 else None
             if step == 0 and ctx.own is not None:
-                own = _own_backward(run_backward, dout, q, k, v, out, lse, groups, ctx.own, next(auxes))
+                own = _own_backward(run_backward, dout, q, k, v, out, lse, groups, ctx.own, next(auxes), ctx.scale)
                 dq += own[0]
                 dkv[0] += own[1]
                 dkv[1] += own[2]
@@ -258,7 +280,7 @@ class _Ring(torch.autograd.Function):
                 local = (rows, slice(None), slice(q0, q1))
                 dq_block, dk_block, dv_block = run_backward(
                     dout[local], q[local], *(_repeat(t, groups) for t in kv[:, rows, :, k0:k1]), out[local], lse[local],
-                    next(auxes), causal)
+                    next(auxes), causal, ctx.scale)
                 dq[local] += dq_block
                 dkv[0, rows, :, k0:k1] += _fold(dk_block, groups)
                 dkv[1, rows, :, k0:k1] += _fold(dv_block, groups)
@@ -266,4 +288,4 @@ class _Ring(torch.autograd.Function):
                 dkv = ring.pass_on(dkv)()
             if incoming is not None:
                 kv = incoming()
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None

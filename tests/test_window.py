@@ -1,0 +1,80 @@
+"""Sliding-window attention: each attention path against a dense mask (key j of query i where
+i - W < j <= i), its gradients too; a window at least the row equals full attention exactly; the
+band's cost is linear in the row."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fsdp_gpt.attention import Documents, band_mask, causal_attention
+
+B, H, KV, D = 2, 4, 2, 8
+
+
+def window_mask(T: int, window: int | None, ids: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, 1, T, T): the dense truth, within each document where ids (B, T) says where they lie."""
+    i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    mask = (j <= i) & (i - j < (window or T))
+    mask = mask.expand(B, T, T)
+    if ids is not None:
+        mask = mask & (ids[:, :, None] == ids[:, None, :])
+    return mask.unsqueeze(1)
+
+
+def qkv(T: int, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, n, T, D, generator=g, dtype=torch.float64).requires_grad_() for n in (H, KV, KV)]
+
+
+def with_grads(fn, tensors, dout):
+    out = fn(*tensors)
+    grads = torch.autograd.grad(out, tensors, dout)
+    return [out.detach(), *grads]
+
+
+def dense(q, k, v, mask, scale=None):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=scale)
+
+
+@pytest.mark.parametrize("T, window", [(37, 5), (32, 8), (33, 1), (40, 39)])
+@pytest.mark.parametrize("scale", [None, 0.3])
+def test_the_band_is_the_dense_window(T, window, scale):
+    """banded_attention (CPU, fp32 on a GPU): rows that are and aren't whole blocks, a window of 1 (each
+    query itself), grouped-query heads, another scale; output and gradients in fp64."""
+    tensors = qkv(T)
+    dout = torch.randn(B, H, T, D, dtype=torch.float64)
+    ours = with_grads(lambda q, k, v: causal_attention(q, k, v, 0.0, True, window=window, scale=scale), tensors, dout)
+    truth = with_grads(lambda q, k, v: dense(q, k, v, window_mask(T, window), scale), tensors, dout)
+    for a, b in zip(ours, truth):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_a_window_reaching_the_whole_row_is_full_attention_exactly():
+    q, k, v = qkv(24)
+    full = causal_attention(q, k, v, 0.0, True)
+    for window in (24, 25, 1000):
+        assert torch.equal(causal_attention(q, k, v, 0.0, True, window=window), full)
+
+
+@pytest.mark.parametrize("window", [3, 6, 64])
+def test_documents_keep_their_window_inside(window):
+    """doc_mask's grouped path: each document attends within itself and within the window."""
+    T = 48
+    opens = torch.zeros(B, T, dtype=torch.bool)
+    opens[0, [10, 11, 30]] = True
+    opens[1, [5, 40]] = True
+    docs = Documents.of_rows(opens.numpy())
+    tensors = qkv(T, seed=1)
+    dout = torch.randn(B, H, T, D, dtype=torch.float64)
+    ours = with_grads(lambda q, k, v: causal_attention(q, k, v, 0.0, True, docs, window), tensors, dout)
+    ids = torch.from_numpy(docs.ids)
+    truth = with_grads(lambda q, k, v: dense(q, k, v, window_mask(T, window, ids)), tensors, dout)
+    for a, b in zip(ours, truth):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_the_band_grows_with_the_row_not_its_square():
+    """The band's scores: 2 x window for each query (the mask's size), whatever the row; of them it
+    keeps exactly the pairs the window holds."""
+    mask = band_mask(64, 16, torch.device("cpu"))
+    assert mask.shape == (64, 1, 16, 32)
+    assert int(mask.sum()) == sum(min(i + 1, 16) for i in range(64 * 16))
