@@ -45,7 +45,7 @@ def main() -> None:
     cfg = GPTConfig(arch="llama", n_embd=args.width, n_head=1, ffn_hidden=args.hidden, moe_experts=args.experts,
                     moe_top_k=args.top_k)
     dense = MLP(cfg)
-    moe = moe_module.MoE(cfg, ACTIVATIONS["swiglu"][0])
+    moe = moe_module.MoE(cfg, ACTIVATIONS["swiglu"])
     for p in moe.experts.parameters():
         torch.nn.init.normal_(p, std=0.02)
     torch.nn.init.zeros_(moe.expert_bias)

@@ -23,6 +23,14 @@ def grouped_mm_on_cpu() -> bool:
     return torch_version() >= (2, 13)
 
 
+def autocast_dtype(device: torch.device) -> torch.dtype | None:
+    """autocast's dtype where it is on for the device, else None. torch.is_autocast_enabled raises
+    for a device type without autocast (the meta device, where models are built and counted)."""
+    if device.type in ("cpu", "cuda") and torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return None
+
+
 def flash_takes_window() -> bool:
     """Whether CUDA's flash kernel (aten._flash_attention_forward) takes a sliding window
     (window_size_left/right; read from its schema: 2.13 has them)."""

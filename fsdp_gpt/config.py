@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import yaml
 
 from fsdp_gpt.families import ARCHS, FAMILIES, LLAMA3_SCALING
-from fsdp_gpt.model_keys import ModelKeys, key
+from fsdp_gpt.model_keys import MLPS, WINDOW_KINDS, ModelKeys, key
 
 class UserError(Exception):
     """Bad input from the user: reported as one line and exit 2, never a traceback."""
@@ -41,7 +41,6 @@ LR_SCHEDULES = ("cosine", "wsd", "constant")
 DECAY_SHAPES = ("linear", "1-sqrt")
 CP_MODES = ("ulysses", "ring")
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
-MLPS = ("gelu", "swiglu", "relu2")
 MUON_COEFFICIENTS = ("quintic", "polar_express")
 MOE_SCORES = ("softmax", "sigmoid")
 # the strategies expert parallelism builds on: the experts sharded over what the expert groups leave
@@ -206,6 +205,7 @@ def validate_model(cfg: TrainConfig) -> None:
     require(cfg.ffn_hidden is None or cfg.ffn_hidden > 0, f"ffn_hidden must be positive, got {cfg.ffn_hidden}")
     require(0 <= cfg.value_embeds <= cfg.n_layer, f"value_embeds must be 0 to n_layer={cfg.n_layer}, got {cfg.value_embeds}")
     require(cfg.mlp is None or cfg.mlp in MLPS, f"mlp '{cfg.mlp}' is not one of {', '.join(MLPS)}")
+    check_window(cfg)
     require(cfg.logit_softcap is None or cfg.logit_softcap > 0,
             f"logit_softcap must be positive (or null: off), got {cfg.logit_softcap}")
     # each block starts the gathers of the ones after it: a depth past the last block would say more
@@ -314,6 +314,22 @@ def check_moe(cfg: TrainConfig) -> None:
     for ok, message in checks:
         if not ok:
             raise UserError(message)
+
+
+def check_window(cfg: TrainConfig) -> None:
+    """sliding_window and window_pattern; the attention scale and the local RoPE base."""
+    require(cfg.sliding_window is None or cfg.sliding_window > 0,
+            f"sliding_window must be 1 or more tokens (null: full attention), got {cfg.sliding_window}")
+    pattern = cfg.window_pattern
+    if pattern is not None:
+        require(isinstance(pattern, list) and pattern and all(kind in WINDOW_KINDS for kind in pattern),
+                f"window_pattern must be a list of {' and '.join(WINDOW_KINDS)} (each layer's kind, repeated over the "
+                f"layers), got {pattern}")
+        require(cfg.sliding_window is not None, "window_pattern names local layers for sliding_window: set it")
+    require(cfg.attn_scale_dim is None or cfg.attn_scale_dim > 0,
+            f"attn_scale_dim must be positive (null: head_dim), got {cfg.attn_scale_dim}")
+    require(cfg.rope_local_theta is None or cfg.rope_local_theta > 0,
+            f"rope_local_theta must be positive (null: rope_theta), got {cfg.rope_local_theta}")
 
 
 def check_context_parallel(cfg: TrainConfig) -> None:

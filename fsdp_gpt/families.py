@@ -55,11 +55,22 @@ class Family:
     hf_transposed: tuple[str, ...] = ()  # ours its files hold transposed (GPT-2's Conv1D)
     hf_zero_biases: bool = False  # its class has a bias in every layer: zeros stand in where ours has none
     hf_limits: tuple = ()  # (key, holds(cfg), why): what its class computes otherwise, refused on export
+    # more of the layout, where a family differs from most
+    qk_norm: bool = False  # q and k normalised per head where the qk_norm key is null
+    norm_after: bool = False  # each sublayer's output normalised too, before the residual add (four norms a block)
+    embed_scale: bool = False  # token embeddings times sqrt(n_embd), rounded to their dtype
 
 
 # what no class below computes: an export of a model with them is refused, naming the key
-PLAIN_HEAD = (("logit_softcap", lambda cfg: not cfg.logit_softcap, "has no logit soft cap"),
-              ("value_embeds", lambda cfg: not cfg.value_embeds, "has no value embeddings"))
+NO_VALUE_EMBEDS = ("value_embeds", lambda cfg: not cfg.value_embeds, "has no value embeddings")
+PLAIN_HEAD = (("logit_softcap", lambda cfg: not cfg.logit_softcap, "has no logit soft cap"), NO_VALUE_EMBEDS)
+# what only Gemma 3's class computes beside these: windows, another attention scale, a second RoPE base
+FULL_ATTENTION = (
+    ("sliding_window", lambda cfg: cfg.sliding_window is None, "attends to every earlier token (no sliding window)"),
+    ("attn_scale_dim", lambda cfg: cfg.attn_scale_dim in (None, cfg.head_dim), "scales attention by 1/sqrt(head_dim)"),
+    ("rope_local_theta", lambda cfg: cfg.rope_local_theta in (None, cfg.rope_theta), "has one RoPE base"))
+# what a resume may change in every family: a window holds no weights
+WINDOW_KEYS = ("sliding_window", "window_pattern")
 
 
 # ---- GPT-2 ----
@@ -87,7 +98,7 @@ def gpt2_keys(config: dict) -> dict:
 
 GPT2 = Family(
     name="GPT-2", arch="gpt2", when=(), norm="layernorm", positions="learned", mlp="gelu", tied=True, biases=True,
-    init_std=0.02, takes=frozenset({"bias"}), resumable=(),
+    init_std=0.02, takes=frozenset({"bias"}), resumable=WINDOW_KEYS,
     hf_class="GPT2LMHeadModel", hf_model_type="gpt2", hf_mlps={"gelu": "gelu_new", "relu2": "relu2"},
     hf_config=gpt2_config, hf_keys=gpt2_keys,
     hf_root={"wte.weight": "transformer.wte.weight", "wpe.weight": "transformer.wpe.weight",
@@ -95,7 +106,7 @@ GPT2 = Family(
              "lm_head.weight": "lm_head.weight"},
     hf_block="transformer.h.{i}.",
     hf_transposed=("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"),
-    hf_zero_biases=True, hf_limits=PLAIN_HEAD)
+    hf_zero_biases=True, hf_limits=PLAIN_HEAD + FULL_ATTENTION)
 
 
 # ---- Llama, and Qwen3 on its layout ----
@@ -127,8 +138,9 @@ def llama_keys(config: dict) -> dict:
 
 LLAMA = Family(
     name="Llama", arch="llama", when=(), norm="rmsnorm", positions="rope", mlp="swiglu", tied=False, biases=False,
-    init_std=0.02, takes=frozenset({"n_kv_head", "head_dim", "rope_theta", "rope_scaling", "tie_embeddings"}),
-    resumable=("block_size", "rope_theta", "rope_scaling"),
+    init_std=0.02,
+    takes=frozenset({"n_kv_head", "head_dim", "rope_theta", "rope_scaling", "rope_local_theta", "tie_embeddings"}),
+    resumable=("block_size", "rope_theta", "rope_scaling", "rope_local_theta") + WINDOW_KEYS,
     hf_class="LlamaForCausalLM", hf_model_type="llama", hf_mlps={"swiglu": "silu"},
     hf_config=llama_config, hf_keys=llama_keys,
     hf_root={"wte.weight": "model.embed_tokens.weight", "ln_f.weight": "model.norm.weight",
@@ -141,7 +153,7 @@ LLAMA = Family(
               "attn.ln_q.weight": "self_attn.q_norm.weight", "attn.ln_k.weight": "self_attn.k_norm.weight",
               "mlp.c_fc.weight": Rows(("mlp.gate_proj.weight", "mlp.up_proj.weight")),  # SwiGLU's gate, then up
               "mlp.c_proj.weight": "mlp.down_proj.weight"},
-    hf_limits=PLAIN_HEAD)
+    hf_limits=PLAIN_HEAD + FULL_ATTENTION)
 
 QWEN3 = replace(LLAMA, name="Qwen3", when=("qk_norm",), takes=LLAMA.takes | {"qk_norm"}, hf_class="Qwen3ForCausalLM",
                 hf_model_type="qwen3", hf_keys=lambda config: llama_keys(config) | dict(qk_norm=True))
@@ -185,10 +197,100 @@ QWEN3_MOE = replace(
                                   "so an export would route otherwise")},
     hf_limits=(("qk_norm", lambda cfg: cfg.qk_norm, "normalises q and k (qk_norm: true)"),
                ("moe_shared", lambda cfg: cfg.moe_shared == 0, "has no shared experts"),
-               ("moe_score", lambda cfg: cfg.moe_score == "softmax", "scores experts by softmax")) + PLAIN_HEAD)
+               ("moe_score", lambda cfg: cfg.moe_score == "softmax", "scores experts by softmax")) + PLAIN_HEAD
+    + FULL_ATTENTION)
 
 
-FAMILIES = (GPT2, LLAMA, QWEN3, QWEN3_MOE)  # each layout's plain family first, its refinements after it
+# ---- Gemma 3: Llama's names, four (1 + weight) norms a block, scaled embeddings, GeGLU, q and k
+# normalised, local (sliding-window) and global layers with a RoPE base each ----
+
+GEMMA3_LAYERS = {"sliding_attention": "local", "full_attention": "global"}  # config.json's layer_types -> ours
+
+
+def gemma3_layer_types(cfg) -> list[str]:
+    return ["sliding_attention" if cfg.window_of(i) else "full_attention" for i in range(cfg.n_layer)]
+
+
+def sliding_window_pattern(cfg) -> int | None:
+    """transformers 4.5x's sliding_window_pattern N (layer i global where (i + 1) % N == 0) that
+    gives the model's layers, or None where none does."""
+    kinds = gemma3_layer_types(cfg)
+    return next((n for n in range(1, cfg.n_layer + 2)
+                 if all((kind == "full_attention") == ((i + 1) % n == 0) for i, kind in enumerate(kinds))), None)
+
+
+def gemma3_config(cfg, eot: int | None) -> dict:
+    """What transformers 4.5x reads (the pattern, both RoPE bases) and what 5.x reads (layer_types)
+    together: both load the folder alike. The window is always a number there (null fails to load)."""
+    return dict(vocab_size=cfg.vocab_size, hidden_size=cfg.n_embd, intermediate_size=cfg.ffn_hidden,
+                num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_kv_head,
+                head_dim=cfg.head_dim, max_position_embeddings=cfg.block_size, rms_norm_eps=cfg.norm_eps,
+                hidden_activation=GEMMA3.hf_mlps[cfg.mlp], query_pre_attn_scalar=cfg.attn_scale_dim or cfg.head_dim,
+                sliding_window=cfg.sliding_window or cfg.block_size, layer_types=gemma3_layer_types(cfg),
+                sliding_window_pattern=sliding_window_pattern(cfg), rope_theta=cfg.rope_theta,
+                rope_local_base_freq=cfg.rope_local_theta or cfg.rope_theta, final_logit_softcapping=cfg.logit_softcap,
+                attn_logit_softcapping=None, attention_bias=False, tie_word_embeddings=cfg.tie_embeddings,
+                bos_token_id=eot, eos_token_id=eot)
+
+
+def gemma3_keys(config: dict) -> dict:
+    """Our keys from a Gemma 3 text config.json: transformers 5's (layer_types, rope_parameters per
+    layer type) or 4.5x's (sliding_window_pattern, rope_theta, rope_local_base_freq)."""
+    if config.get("use_bidirectional_attention"):
+        raise ValueError("has use_bidirectional_attention: true (EmbeddingGemma's); built here: causal attention")
+    if config.get("attention_bias"):
+        raise ValueError("has attention_bias: true; built here: Gemma 3's attention without biases")
+    activation = config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"
+    if activation != "gelu_pytorch_tanh":
+        raise ValueError(f"uses hidden_activation {activation}; built here: gelu_pytorch_tanh")
+    n_layer, rope = config["num_hidden_layers"], config.get("rope_parameters") or {}
+    pattern = config.get("sliding_window_pattern") or 6
+    types = config.get("layer_types") or ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                                          for i in range(n_layer)]
+    if set(types) - set(GEMMA3_LAYERS):
+        raise ValueError(f"has layer_types {sorted(set(types) - set(GEMMA3_LAYERS))} (layer_types); built here: "
+                         f"{', '.join(GEMMA3_LAYERS)}")
+    if (rope.get("full_attention") or {}).get("rope_type", "default") != "default" or config.get("rope_scaling"):
+        raise ValueError("scales its global layers' RoPE (rope_scaling: Gemma 3 4B and up); built here: unscaled RoPE")
+    kinds = [GEMMA3_LAYERS[kind] for kind in types]
+    period = next(p for p in range(1, n_layer + 1) if all(kind == kinds[i % p] for i, kind in enumerate(kinds)))
+    n_head, n_embd = config["num_attention_heads"], config["hidden_size"]
+    head_dim = config.get("head_dim") or n_embd // n_head
+    scale_dim = config.get("query_pre_attn_scalar") or head_dim
+    return dict(arch="gemma3", vocab_size=config["vocab_size"], block_size=config["max_position_embeddings"],
+                n_layer=n_layer, n_head=n_head, n_embd=n_embd, n_kv_head=config.get("num_key_value_heads", n_head),
+                bias=False, head_dim=None if head_dim * n_head == n_embd else head_dim,
+                rope_theta=float((rope.get("full_attention") or {}).get("rope_theta") or config.get("rope_theta") or 1e6),
+                rope_local_theta=float((rope.get("sliding_attention") or {}).get("rope_theta")
+                                       or config.get("rope_local_base_freq") or 1e4),
+                sliding_window=config["sliding_window"] if "local" in kinds else None,
+                window_pattern=kinds[:period] if "local" in kinds and "global" in kinds else None,
+                attn_scale_dim=None if scale_dim == head_dim else scale_dim, qk_norm=True, mlp="geglu",
+                ffn_hidden=config["intermediate_size"], norm_eps=config.get("rms_norm_eps", 1e-6),
+                logit_softcap=config.get("final_logit_softcapping"), rope_scaling=None,
+                tie_embeddings=config.get("tie_word_embeddings", True), moe_experts=0)
+
+
+GEMMA3 = Family(
+    name="Gemma 3", arch="gemma3", when=(), norm="rmsnorm_offset", positions="rope", mlp="geglu", tied=True,
+    biases=False, init_std=0.02,
+    takes=frozenset({"n_kv_head", "head_dim", "rope_theta", "rope_local_theta", "tie_embeddings", "qk_norm"}),
+    resumable=("block_size", "rope_theta", "rope_local_theta") + WINDOW_KEYS,
+    hf_class="Gemma3ForCausalLM", hf_model_type="gemma3_text", hf_mlps={"geglu": "gelu_pytorch_tanh"},
+    hf_config=gemma3_config, hf_keys=gemma3_keys, hf_root=LLAMA.hf_root, hf_block=LLAMA.hf_block,
+    # Llama's names but for the norms: ln_2 is its pre_feedforward_layernorm, post_attention_layernorm
+    # normalises the attention's output
+    hf_names=LLAMA.hf_names | {"ln_2.weight": "pre_feedforward_layernorm.weight",
+                               "ln_attn_out.weight": "post_attention_layernorm.weight",
+                               "ln_mlp_out.weight": "post_feedforward_layernorm.weight"},
+    hf_limits=(("qk_norm", lambda cfg: cfg.qk_norm, "normalises q and k (qk_norm: true)"),
+               ("window_pattern", lambda cfg: sliding_window_pattern(cfg) is not None,
+                "reads N - 1 local layers then a global one, repeated (transformers 4.5x's sliding_window_pattern)"),
+               ("n_head", lambda cfg: cfg.n_embd % cfg.n_head == 0, "needs n_embd a multiple of n_head (transformers 5)"),
+               NO_VALUE_EMBEDS),
+    qk_norm=True, norm_after=True, embed_scale=True)
+
+FAMILIES = (GPT2, LLAMA, QWEN3, QWEN3_MOE, GEMMA3)  # each layout's plain family first, its refinements after it
 ARCHS = tuple(dict.fromkeys(family.arch for family in FAMILIES))
 FAMILY_KEYS = frozenset().union(*(family.takes for family in FAMILIES))  # the keys some family lacks
 

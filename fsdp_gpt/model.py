@@ -2,9 +2,11 @@
 
 One attention, one block and one model build every family (families.py): the entry names the
 norm, the positions (learned, as GPT-2's, or rotary, RoPE with the rotate_half convention), the MLP
-(tanh GELU or SwiGLU by default), the tying and the initialisation; the options are in GPTConfig,
-grouped-query attention, qk_norm (Qwen3), mixtures of experts and the speedrun recipe's among them
-(a ReLU^2 MLP, logit soft-capping, zero-initialised projections, value embeddings).
+(tanh GELU, SwiGLU or GeGLU by default), the tying, the initialisation, and where a family differs
+from most: q and k normalised, a norm after each sublayer too, scaled embeddings (Gemma 3). The
+options are in GPTConfig, grouped-query attention, sliding windows, mixtures of experts and the
+speedrun recipe's among them (a ReLU^2 MLP, logit soft-capping, zero-initialised projections, value
+embeddings).
 """
 import math
 from dataclasses import dataclass
@@ -15,8 +17,9 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from fsdp_gpt.attention import Documents, causal_attention, sdpa_takes_gqa
+from fsdp_gpt.compat import autocast_dtype
 from fsdp_gpt.loss import chunked_cross_entropy, head_loss_chunk, per_position_cross_entropy
-from fsdp_gpt.model_keys import ModelKeys
+from fsdp_gpt.model_keys import MLPS, ModelKeys
 from fsdp_gpt.moe import MoE
 
 
@@ -35,9 +38,28 @@ class GPTConfig(ModelKeys):
         return [self.n_head * self.head_dim] + [self.n_kv_head * self.head_dim] * 2
 
 
-# the family's norm, at a width (the model's, or a head's for qk_norm)
+class OffsetRMSNorm(nn.Module):
+    """RMSNorm whose scale is 1 + weight, computed in fp32 and rounded to the input's dtype after
+    the scale (Gemma's): its weight starts at zero."""
+
+    def __init__(self, width: int, eps: float):
+        super().__init__()
+        self.eps, self.weight = eps, nn.Parameter(torch.zeros(width))
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * (1.0 + self.weight.float())).type_as(x)
+
+
+# the family's norm, at a width (the model's, or a head's for qk_norm); each initialises itself
+# (reset_parameters: LayerNorm and RMSNorm to a scale of ones, the offset form's weight to zeros)
 NORMS = {"layernorm": lambda cfg, width: nn.LayerNorm(width, eps=cfg.norm_eps, bias=cfg.bias),
-         "rmsnorm": lambda cfg, width: nn.RMSNorm(width, eps=cfg.norm_eps)}
+         "rmsnorm": lambda cfg, width: nn.RMSNorm(width, eps=cfg.norm_eps),
+         "rmsnorm_offset": lambda cfg, width: OffsetRMSNorm(width, cfg.norm_eps)}
 
 
 def norm(cfg: GPTConfig, width: int) -> nn.Module:
@@ -57,14 +79,13 @@ def llama3_scaled(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(between, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
 
 
-def rotary(cfg: GPTConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary(cfg: GPTConfig, positions: torch.Tensor, theta: float, scaling: dict | None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin (T, head_dim) of RoPE at positions (T,): pair i of a head turns at
-    theta^(-2i/head_dim) per position (Llama 3.1's scaling applied when rope_scaling is set).
-    Computed in fp32 per forward (cheap): no buffer to move off the meta device."""
-    inv_freq = cfg.rope_theta ** (-torch.arange(0, cfg.head_dim, 2, device=positions.device,
-                                                dtype=torch.float32) / cfg.head_dim)
-    if cfg.rope_scaling:
-        inv_freq = llama3_scaled(inv_freq, cfg.rope_scaling)
+    theta^(-2i/head_dim) per position (Llama 3.1's scaling applied when given). Computed in fp32
+    per forward (cheap): no buffer to move off the meta device."""
+    inv_freq = theta ** (-torch.arange(0, cfg.head_dim, 2, device=positions.device, dtype=torch.float32) / cfg.head_dim)
+    if scaling:
+        inv_freq = llama3_scaled(inv_freq, scaling)
     angles = torch.outer(positions.float(), inv_freq)
     angles = torch.cat((angles, angles), dim=-1)  # rotate_half pairs dimension i with i + head_dim/2
     return angles.cos(), angles.sin()
@@ -77,9 +98,17 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
 
 
-# how a token's position reaches the model: (x, rope) from the token embeddings x at `positions`
+def rotaries(cfg: GPTConfig, positions: torch.Tensor) -> tuple:
+    """(the global layers' cos and sin, the local layers'): rope_theta's with rope_scaling, and where
+    rope_local_theta is set the local (sliding-window) layers' own base, unscaled (Gemma 3's)."""
+    both = rotary(cfg, positions, cfg.rope_theta, cfg.rope_scaling)
+    return both, rotary(cfg, positions, cfg.rope_local_theta, None) if cfg.rope_local_theta else both
+
+
+# how a token's position reaches the model: (x, ropes) from the token embeddings x at `positions`,
+# ropes indexed by whether a block is local
 POSITIONS = {"learned": lambda model, x, positions: (x + model.wpe(positions), None),  # GPT-2's
-             "rope": lambda model, x, positions: (x, rotary(model.config, positions))}  # q and k rotated in attention
+             "rope": lambda model, x, positions: (x, rotaries(model.config, positions))}  # q and k rotated in attention
 
 
 class CausalSelfAttention(nn.Module):
@@ -88,9 +117,11 @@ class CausalSelfAttention(nn.Module):
         # replaceable from outside (context parallelism runs the core over a whole row split across ranks)
         self.core = causal_attention
         self.n_head, self.n_kv_head, self.head_dim, self.qkv_widths = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.qkv_widths
+        self.window = cfg.window_of(layer)  # None: full causal attention
+        self.scale = cfg.attn_scale_dim ** -0.5 if cfg.attn_scale_dim else None  # None: 1/sqrt(head_dim)
         self.c_attn = nn.Linear(cfg.n_embd, sum(cfg.qkv_widths), bias=cfg.bias)  # q, k, v in one matmul
         self.c_proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.n_embd, bias=cfg.bias)
-        if cfg.qk_norm:  # Qwen3: RMSNorm of each head's q and k, before the rotation
+        if cfg.qk_norm:  # Qwen3, Gemma 3: each head's q and k normalised, before the rotation
             self.ln_q, self.ln_k = norm(cfg, cfg.head_dim), norm(cfg, cfg.head_dim)
         if layer < cfg.value_embeds:  # modded-nanogpt's value embeddings: v mixed with a token embedding
             self.value_embed = nn.Embedding(cfg.vocab_size, cfg.n_kv_head * cfg.head_dim)
@@ -115,7 +146,7 @@ class CausalSelfAttention(nn.Module):
         if grouped and not sdpa_takes_gqa(q):  # a key/value head per query head: memory-efficient kernels run
             k, v = (t.repeat_interleave(self.n_head // self.n_kv_head, dim=1) for t in (k, v))
             grouped = False
-        y = self.core(q, k, v, self.dropout if self.training else 0.0, grouped, docs)
+        y = self.core(q, k, v, self.dropout if self.training else 0.0, grouped, docs, self.window, self.scale)
         y = y.transpose(1, 2).contiguous().view(B, T, self.n_head * self.head_dim)
         return self.resid_dropout(self.c_proj(y))
 
@@ -125,20 +156,27 @@ def swiglu(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-# the MLP's nonlinearity, applied to c_fc's output, and how many ffn_hidden-wide outputs c_fc has
+def geglu(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+# the MLP's nonlinearity, applied to c_fc's output (a gated one's, model_keys.MLPS, holds the gate then
+# the up projection: twice ffn_hidden wide)
 ACTIVATIONS = {
-    "gelu": (lambda x: F.gelu(x, approximate="tanh"), 1),  # tanh GELU is GPT-2's "gelu_new": exports alike
-    "swiglu": (swiglu, 2),  # gate and up projections in one matmul
-    "relu2": (lambda x: F.relu(x).square(), 1),  # modded-nanogpt's, from Primer (arXiv:2109.08668)
+    "gelu": lambda x: F.gelu(x, approximate="tanh"),  # tanh GELU is GPT-2's "gelu_new": exports alike
+    "swiglu": swiglu,
+    "geglu": geglu,  # Gemma's: tanh GELU of the gate
+    "relu2": lambda x: F.relu(x).square(),  # modded-nanogpt's, from Primer (arXiv:2109.08668)
 }
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig, hidden: int | None = None):
         super().__init__()
-        self.activation, outputs = ACTIVATIONS[cfg.mlp]
+        self.activation = ACTIVATIONS[cfg.mlp]
         hidden = hidden or cfg.ffn_hidden
-        self.c_fc = nn.Linear(cfg.n_embd, outputs * hidden, bias=cfg.bias)
+        self.c_fc = nn.Linear(cfg.n_embd, (2 if MLPS[cfg.mlp] else 1) * hidden, bias=cfg.bias)
         self.c_proj = nn.Linear(hidden, cfg.n_embd, bias=cfg.bias)
         self.dropout = nn.Dropout(cfg.dropout)
 
@@ -154,16 +192,21 @@ class DecoderBlock(nn.Module):
         self.ln_2 = norm(cfg, cfg.n_embd)
         if cfg.moe_experts and layer >= cfg.moe_dense_layers:
             shared = MLP(cfg, cfg.moe_shared * cfg.moe_hidden) if cfg.moe_shared else None
-            self.mlp = MoE(cfg, ACTIVATIONS["swiglu"][0], shared)
+            self.mlp = MoE(cfg, ACTIVATIONS["swiglu"], shared)
         else:
             self.mlp = MLP(cfg)
+        # where a block's norms sit: before each sublayer, and in a family whose entry says so after
+        # it too, on its output before the residual add (Gemma's four norms)
+        self.ln_attn_out, self.ln_mlp_out = ((norm(cfg, cfg.n_embd), norm(cfg, cfg.n_embd)) if cfg.family.norm_after
+                                             else (nn.Identity(), nn.Identity()))
+        self.local = self.attn.window is not None  # which RoPE table the block takes
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
                 idx: torch.Tensor | None = None, docs: Documents | None = None) -> torch.Tensor:
         """idx: the input tokens, for the value embeddings of the first value_embeds blocks; docs:
         where the rows' documents lie, attention stopping at their edges (None: rows are single sequences)."""
-        x = x + self.attn(self.ln_1(x), rope, idx, docs)
-        return x + self.mlp(self.ln_2(x))
+        x = x + self.ln_attn_out(self.attn(self.ln_1(x), rope, idx, docs))
+        return x + self.ln_mlp_out(self.mlp(self.ln_2(x)))
 
 
 class GPT(nn.Module):
@@ -197,15 +240,20 @@ class GPT(nn.Module):
     @torch.no_grad()
     def init_weights(self) -> None:
         """GPT-2's initialisation at the family's init_std; residual projections scaled by
-        1/sqrt(2 * n_layer), or zero (zero_init_proj: every block starts as the identity, as in modded-nanogpt)."""
+        1/sqrt(2 * n_layer), or zero (zero_init_proj: every block starts as the identity, as in
+        modded-nanogpt). Each norm initialises itself, by what it is (NORMS)."""
         std = self.config.family.init_std
+        norms = [m for m in self.modules() if isinstance(m, (nn.LayerNorm, nn.RMSNorm, OffsetRMSNorm))]
+        for module in norms:
+            module.reset_parameters()
+        of_norms = {id(p) for module in norms for p in module.parameters()}
         for name, p in self.named_parameters():
+            if id(p) in of_norms:
+                continue
             if name.endswith(("c_proj.weight", "experts.c_proj")):
                 nn.init.normal_(p, mean=0.0, std=0.0 if self.config.zero_init_proj else std / math.sqrt(2 * self.config.n_layer))
             elif p.dim() >= 2:
                 nn.init.normal_(p, mean=0.0, std=std)
-            elif ".ln_" in name or name.startswith("ln_"):
-                nn.init.ones_(p) if name.endswith("weight") else nn.init.zeros_(p)
             elif name.endswith("value_mix"):
                 nn.init.constant_(p, 0.5)  # half v, half the embedding (modded-nanogpt's start)
             else:
@@ -225,15 +273,19 @@ class GPT(nn.Module):
         assert T <= self.config.block_size, f"sequence of {T} exceeds block_size {self.config.block_size}"
         if positions is None:
             positions = torch.arange(T, device=idx.device)
-        x, rope = POSITIONS[self.config.family.positions](self, self.wte(idx), positions)
+        x = self.wte(idx)
+        if self.config.family.embed_scale:  # Gemma's sqrt(n_embd), rounded to the embeddings' dtype as transformers does
+            x = x * float(torch.tensor(math.sqrt(self.config.n_embd), dtype=x.dtype))
+        x, ropes = POSITIONS[self.config.family.positions](self, x, positions)
         x = self.drop(x)
-        if torch.is_autocast_enabled(x.device.type):
+        if compute := autocast_dtype(x.device):
             # the residual stream in autocast's dtype, as FSDP2's bf16 parameters give it: one process
             # computes as its sharded twin does, and every norm, add and cast moves half the bytes
             # (GPT-2 124M on an H100: 3.5% faster, docs/performance.md)
-            x = x.to(torch.get_autocast_dtype(x.device.type))
+            x = x.to(compute)
         docs = None if opens is None else self.documents(opens)
         for block in self.blocks:
+            rope = ropes and ropes[block.local]
             if self.activation_checkpointing and self.training:
                 x = checkpoint(block, x, rope, idx, docs, use_reentrant=False)
             else:
@@ -276,12 +328,14 @@ class GPT(nn.Module):
         """Training FLOPs per token: forward + backward = 3x the forward's matmuls.
 
         Forward: 2 FLOPs per weight of every Linear (LM head included) and of each token's top-k
-        experts, plus the attention products QK^T and AV, 2 * 2 * T * n_embd per layer at full context.
+        experts, plus the attention products QK^T and AV, 2 * 2 * T * n_embd per layer at full context
+        (a local layer's window instead of T).
         """
         cfg = self.config
         matmul_weights = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
         matmul_weights += sum(m.top_k * m.expert_params() for m in self.moe_layers())
-        attention = 4 * cfg.n_layer * cfg.block_size * cfg.n_head * cfg.head_dim  # GQA or not
+        keys = sum(min(cfg.window_of(layer) or cfg.block_size, cfg.block_size) for layer in range(cfg.n_layer))
+        attention = 4 * keys * cfg.n_head * cfg.head_dim  # GQA or not; a local layer's queries see its window
         return 3 * (2 * matmul_weights + attention)
 
     @torch.no_grad()

@@ -8,6 +8,13 @@ from dataclasses import dataclass
 from fsdp_gpt.families import FAMILY_KEYS, Family, family_of
 
 
+# the mlp key's values: whether c_fc holds a gate beside the up projection (twice as many rows), the
+# one place gatedness is decided
+MLPS = {"gelu": False, "swiglu": True, "relu2": False, "geglu": True}
+# what window_pattern names a layer: local (its attention within sliding_window) or global (full)
+WINDOW_KINDS = ("local", "global")
+
+
 def key(default, meaning: str, shape: bool = True):
     """A config key: its default and a one-line meaning (train_fsdp.py --help, docs/config.md).
     shape (model keys): whether it shapes the weights, so that a checkpoint's model must have it alike
@@ -37,13 +44,23 @@ class ModelKeys:
     rope_scaling: dict | None = key(None, "llama: Llama 3.1's RoPE frequency scaling, {rope_type: llama3, factor, "
                                           "low_freq_factor, high_freq_factor, original_max_position_embeddings}; "
                                           "null: plain RoPE")
-    qk_norm: bool = key(False, "llama: RMSNorm of each head's q and k (Qwen3; exports as Qwen3ForCausalLM)")
+    qk_norm: bool | None = key(None, "RMSNorm of each head's q and k; null: the family's (llama: off, on exports as "
+                                     "Qwen3ForCausalLM; gemma3: on)")
     tie_embeddings: bool | None = key(None, "LM head shares the token embedding; null: the family's (true for gpt2, "
                                             "false for llama)")
     ffn_hidden: int | None = key(None, "MLP width; null: 8/3 n_embd rounded up to 256 (swiglu), else 4 n_embd")
     norm_eps: float = key(1e-5, "epsilon of LayerNorm / RMSNorm")
-    mlp: str | None = key(None, "the MLP: gelu, swiglu (gated) or relu2 (relu(x)^2); null: the family's (gelu for "
-                                "gpt2, swiglu for llama)")
+    mlp: str | None = key(None, "the MLP: gelu, swiglu (gated SiLU), geglu (gated tanh GELU) or relu2 (relu(x)^2); "
+                                "null: the family's (gelu for gpt2, swiglu for llama, geglu for gemma3)")
+    sliding_window: int | None = key(None, "sliding-window attention: each query attends to this many keys up to "
+                                           "itself, in the layers window_pattern makes local; null: full attention")
+    window_pattern: list | None = key(None, "which layers slide: local (sliding_window) and global (full attention) "
+                                            "in a list repeated over the layers from the first (Gemma 3: five local, "
+                                            "one global); null: every layer local")
+    rope_local_theta: float | None = key(None, "rope: the local layers' RoPE base (Gemma 3: 10,000 beside rope_theta "
+                                               "1,000,000); null: rope_theta, with rope_scaling")
+    attn_scale_dim: int | None = key(None, "attention's scores scaled by 1/sqrt(attn_scale_dim) (Gemma 3's "
+                                           "query_pre_attn_scalar); null: head_dim")
     logit_softcap: float | None = key(None, "squash logits into (-cap, cap) with cap * tanh(logits / cap), in fp32; "
                                             "null: off")
     zero_init_proj: bool = key(False, "attention and MLP output projections start at zero", shape=False)
@@ -80,13 +97,20 @@ class ModelKeys:
         family = self.family
         mlp = self.mlp or family.mlp
         ffn_hidden = self.ffn_hidden
-        if ffn_hidden is None:  # SwiGLU's 8/3 n_embd (rounded up to 256) holds as many weights as 4 n_embd ungated
-            ffn_hidden = 256 * -(-(8 * self.n_embd // 3) // 256) if mlp == "swiglu" else 4 * self.n_embd
+        if ffn_hidden is None:  # a gated MLP's 8/3 n_embd (rounded up to 256) holds as many weights as 4 n_embd ungated
+            ffn_hidden = 256 * -(-(8 * self.n_embd // 3) // 256) if MLPS.get(mlp) else 4 * self.n_embd
         return dict(n_kv_head=self.n_kv_head or self.n_head, bias=self.bias and family.biases, mlp=mlp,
+                    qk_norm=family.qk_norm if self.qk_norm is None else self.qk_norm,
                     ffn_hidden=ffn_hidden, head_dim=self.head_dim or self.n_embd // self.n_head,
                     tie_embeddings=family.tied if self.tie_embeddings is None else self.tie_embeddings,
                     # (a moe_top_k under 1 is refused by the checks, which read these values first)
                     moe_hidden=self.moe_hidden or max(ffn_hidden // max(self.moe_top_k, 1), 1))
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of block `layer`: sliding_window where window_pattern makes the layer
+        local, else None (full attention)."""
+        pattern = self.window_pattern or ["local"]
+        return self.sliding_window if pattern[layer % len(pattern)] == "local" else None
 
     def foreign_keys(self) -> dict:
         """{key: value} of the keys given here that the family does not take: such a key keeps its

@@ -7,7 +7,7 @@ the tokens routed to them (`run_experts`) is replaceable from outside, as attent
 import torch
 import torch.nn as nn
 
-from fsdp_gpt.compat import grouped_mm_on_cpu
+from fsdp_gpt.compat import autocast_dtype, grouped_mm_on_cpu
 
 
 def grouped_mm_runs(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -29,7 +29,7 @@ def expert_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> tor
     each group times its expert's matrix, in one grouped matmul where one runs."""
     # torch._grouped_mm is no autocast op: under autocast both go to its dtype (x may come from a norm
     # in fp32; the stacked weights are never cast for us), else fp32 matmuls per expert ran on the GPU
-    dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+    dtype = autocast_dtype(x.device) or x.dtype
     x, w = x.to(dtype), w.to(dtype)
     if grouped_mm_runs(x, w):
         return torch._grouped_mm(x, w.transpose(-2, -1), offs=counts.cumsum(0).to(torch.int32))

@@ -57,7 +57,7 @@ def one_line(code, capsys, *phrases):
     ({"arch": "mamba"}, ["arch 'mamba' is not one of gpt2, llama"]),
     ({"arch": "llama", "n_head": 4, "n_kv_head": 3}, ["n_kv_head=3 must divide n_head=4"]),
     ({"arch": "llama", "n_head": 2, "n_embd": 66}, ["head dimension n_embd / n_head = 33 must be even for RoPE"]),
-    ({"qk_norm": True}, ["qk_norm=True needs arch: llama (GPT-2 takes no qk_norm)"]),
+    ({"qk_norm": True}, ["qk_norm=True needs arch: llama or gemma3 (GPT-2 takes no qk_norm)"]),
     ({"arch": "llama", "moe_experts": 4, "moe_top_k": 5}, ["moe_top_k=5 must be 1 to moe_experts=4"]),
     ({"moe_experts": 4}, ["moe_experts=4 needs arch: llama"]),
     ({"arch": "llama", "moe_experts": 4, "mlp": "relu2"}, ["MoE layers are built of SwiGLU experts: mlp: relu2"]),

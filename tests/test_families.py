@@ -20,6 +20,11 @@ MODELS = {
     # a dense first layer (transformers 4 holds each expert's matrices, 5 stacks them)
     "qwen3_moe": ("Qwen3-MoE", dict(arch="llama", n_kv_head=2, qk_norm=True, moe_experts=4, moe_top_k=2, moe_hidden=32,
                                     moe_dense_layers=1, moe_norm_top_k=False)),
+    # a local layer (a window of 8 on rows of 32) and a global one, a RoPE base each, another attention
+    # scale, the final soft cap: every key of config.json it maps
+    "gemma3": ("Gemma 3", dict(arch="gemma3", n_kv_head=2, sliding_window=8, window_pattern=["local", "global"],
+                               rope_theta=1e6, rope_local_theta=1e4, attn_scale_dim=24, logit_softcap=30.0,
+                               norm_eps=1e-6)),
 }
 
 
@@ -51,7 +56,7 @@ def test_each_family_builds_what_its_entry_says(model):
     assert hasattr(gpt, "wpe") == (family.positions == "learned")
     assert (gpt.lm_head.weight is gpt.wte.weight) == options.get("tie_embeddings", family.tied)
     assert (gpt.blocks[0].attn.c_attn.bias is not None) == (family.biases and cfg.bias)
-    assert gpt.blocks[0].mlp.activation is ACTIVATIONS[options.get("mlp", family.mlp)][0]
+    assert gpt.blocks[0].mlp.activation is ACTIVATIONS[options.get("mlp", family.mlp)]
     assert gpt.wte.weight.std().item() == pytest.approx(family.init_std, rel=0.05)
 
 
@@ -65,7 +70,7 @@ def test_a_refinement_applies_where_its_keys_are_set():
 
 
 @pytest.mark.parametrize("options, refusal", [
-    (dict(qk_norm=True), "qk_norm=True needs arch: llama (GPT-2 takes no qk_norm)"),
+    (dict(qk_norm=True), "qk_norm=True needs arch: llama or gemma3 (GPT-2 takes no qk_norm)"),
     (dict(tie_embeddings=False), "tie_embeddings=False needs arch: llama"),
     (dict(rope_theta=5e5), "rope_theta=500000.0 needs arch: llama"),
     (dict(n_kv_head=2), "n_kv_head=2 needs arch: llama"),

@@ -81,10 +81,11 @@ class UlyssesAttention:
     def __init__(self, group, cp_size: int):
         self.group, self.cp = group, cp_size
 
-    def __call__(self, q, k, v, dropout_p: float, enable_gqa: bool, docs: Documents | None = None) -> torch.Tensor:
+    def __call__(self, q, k, v, dropout_p: float, enable_gqa: bool, docs: Documents | None = None,
+                 window: int | None = None, scale: float | None = None) -> torch.Tensor:
         # (B, heads, T/cp, D) -> (B, heads/cp, T, D): my heads, every rank's tokens
         q, k, v = (_exchange(t, self.group, self.cp, split_dim=1, gather_dim=2) for t in (q, k, v))
-        y = causal_attention(q, k, v, dropout_p, enable_gqa, docs)  # docs: the whole rows'
+        y = causal_attention(q, k, v, dropout_p, enable_gqa, docs, window, scale)  # docs: the whole rows'
         return _exchange(y, self.group, self.cp, split_dim=2, gather_dim=1)  # back: all heads, my tokens
 
 
