@@ -25,8 +25,9 @@ def key(default, meaning: str, shape: bool = True):
 @dataclass
 class ModelKeys:
     arch: str = key("gpt2", "the layout, as fsdp_gpt/families.py names it: gpt2 (LayerNorm, learned positions, GELU, "
-                            "tied head) or llama (RMSNorm, RoPE, SwiGLU, grouped-query attention; Qwen3's with qk_norm, "
-                            "Qwen3-MoE's with experts); docs/models.md lists the families")
+                            "tied head), llama (RMSNorm, RoPE, SwiGLU, grouped-query attention; Qwen3's with qk_norm, "
+                            "Qwen3-MoE's with experts) or gemma3 ((1 + weight) RMSNorm before and after each sublayer, "
+                            "scaled embeddings, GeGLU, q/k norms); docs/models.md lists the families")
     vocab_size: int | None = key(None, "embedding rows; null: the data's vocabulary (or the tokenizer's), rounded "
                                        "up to a multiple of 64")
     block_size: int = key(1024, "tokens per sequence (the context length)")

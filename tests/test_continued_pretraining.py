@@ -56,6 +56,27 @@ def qwen3_moe_folder(tmp_path_factory) -> str:
     return str(folder)
 
 
+@pytest.fixture(scope="module")
+def gemma3_folder(tmp_path_factory) -> str:
+    """A small random Gemma3ForCausalLM saved by the transformers installed (5.x writes layer_types and
+    rope_parameters, 4.51 the pattern and both bases): a local layer (a window of 16, shorter than
+    the runs' rows of 64) then a global one, another attention scale, a final soft cap; a tokenizer."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    folder = tmp_path_factory.mktemp("gemma3")
+    config = Gemma3TextConfig(vocab_size=576, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                              sliding_window=16, sliding_window_pattern=2, query_pre_attn_scalar=24, rope_theta=1e6,
+                              rope_local_base_freq=1e4, final_logit_softcapping=30.0, rms_norm_eps=1e-6)
+    model = Gemma3ForCausalLM(config)
+    with __import__("torch").no_grad():  # norms away from their zeros: (1 + weight) exercised
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0.0, 0.3)
+    model.save_pretrained(folder)
+    make_tokenizer(folder)
+    return str(folder)
+
+
 def bare_config(tmp_path, docs) -> str:
     """A config with no model key and no tokenizer: the folder brings them."""
     path = tmp_path / "continue.yaml"
@@ -182,7 +203,7 @@ def test_llama3_rope_scaling_gives_transformers_logits_past_the_original_context
 
 
 @pytest.mark.compat  # the export loads in transformers 4.51 as in 5 (CI's oldest venv)
-@pytest.mark.parametrize("folder", ["qwen3_folder", "llama_folder"])
+@pytest.mark.parametrize("folder", ["qwen3_folder", "llama_folder", "gemma3_folder"])
 def test_end_to_end_prepare_continue_on_two_ranks_export_and_evaluate(folder, request, tmp_path):
     """data.py prepare --tokenizer=FOLDER -> init_from: FOLDER on 2 ranks -> export: transformers loads
     the export, its tokenizer encodes as the folder's, its loss on the val windows is evaluate.py's."""
@@ -215,6 +236,37 @@ def test_end_to_end_prepare_continue_on_two_ranks_export_and_evaluate(folder, re
     assert tool("sample.py", checkpoint, "--max_new_tokens", "8", "--seed", "1").strip()
     write_items(tmp_path / "mc.jsonl", 8, seed=0)
     assert "acc_norm" in tool("evaluate.py", checkpoint, "--mc", tmp_path / "mc.jsonl")
+
+
+@pytest.mark.compat
+def test_a_gemma3_folder_trains_with_no_model_keys_and_exports_as_it_came(gemma3_folder, tmp_path):
+    """init_from a Gemma 3 folder: its keys (the window and pattern, both RoPE bases, the attention
+    scale, the soft cap, q/k norms, four norms a block) from config.json alone; a step at learning rate
+    0 exports the same weights, and the checkpoint's model computes transformers' logits on rows
+    longer than the window (within 1e-4)."""
+    import torch
+    import yaml
+    from transformers import AutoModelForCausalLM
+
+    from fsdp_gpt.checkpoint.ckpt_format import load_gpt
+    write_docs(tmp_path / "docs.jsonl", n=60)
+    settings = SMALL | dict(max_iters=1, learning_rate=0.0, min_lr=0.0, warmup_iters=0, lr_schedule="constant",
+                            tokenizer=gemma3_folder)
+    result = run(tmp_path, bare_config(tmp_path, tmp_path / "docs.jsonl"), init_from=gemma3_folder, **settings)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for key, value in dict(arch="gemma3", sliding_window=16, window_pattern=["local", "global"], rope_theta=1000000.0,
+                           rope_local_theta=10000.0, attn_scale_dim=24, logit_softcap=30.0, qk_norm=True,
+                           mlp="geglu").items():
+        assert "\n" + yaml.safe_dump({key: value}) in result.stdout, key  # the resolved config it prints
+    tool("export_hf.py", tmp_path / "ckpt" / "fsdp_cpt1.pth", tmp_path / "hf")
+    original, exported = (AutoModelForCausalLM.from_pretrained(path).eval() for path in (gemma3_folder, tmp_path / "hf"))
+    ours = load_gpt(str(tmp_path / "ckpt" / "fsdp_cpt1.pth"), torch.device("cpu"))[0]
+    assert all(torch.equal(a, exported.state_dict()[name]) for name, a in original.state_dict().items())
+    idx = torch.randint(0, 500, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = original(idx).logits
+        torch.testing.assert_close(ours(idx)[0], expected, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(exported(idx).logits, expected, rtol=0, atol=0)
 
 
 @pytest.mark.compat

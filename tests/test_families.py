@@ -120,10 +120,15 @@ def test_transformers_computes_the_same_logits_and_the_folder_reads_back(model, 
     (dict(arch="llama", qk_norm=True, mlp="gelu"), "mlp: gelu: Qwen3ForCausalLM computes swiglu MLPs only"),
     (dict(arch="gpt2", mlp="swiglu"), "mlp: swiglu: GPT2LMHeadModel computes gelu or relu2 MLPs only"),
     (dict(arch="gpt2", value_embeds=1), "value_embeds: 1: GPT2LMHeadModel has no value embeddings"),
+    (dict(arch="llama", sliding_window=8), "sliding_window: 8: LlamaForCausalLM attends to every earlier token"),
+    (dict(arch="gpt2", attn_scale_dim=24), "attn_scale_dim: 24: GPT2LMHeadModel scales attention by 1/sqrt(head_dim)"),
+    (dict(arch="gemma3", n_layer=2, sliding_window=8, window_pattern=["global", "local"]),
+     "window_pattern: ['global', 'local']: Gemma3ForCausalLM reads N - 1 local layers then a global one"),
+    (dict(arch="gemma3", qk_norm=False), "qk_norm: False: Gemma3ForCausalLM normalises q and k"),
 ])
 def test_what_hugging_face_cannot_express_is_refused_naming_the_key(options, key):
     with pytest.raises(UserError, match=re.escape(key)):
-        hf_config(GPTConfig(**SMALL | dict(n_layer=1), **options), eot=0)
+        hf_config(GPTConfig(**(SMALL | dict(n_layer=1) | options)), eot=0)
 
 
 def test_only_the_keys_a_family_lets_change_may_change_on_resume():

@@ -78,3 +78,46 @@ def test_the_band_grows_with_the_row_not_its_square():
     mask = band_mask(64, 16, torch.device("cpu"))
     assert mask.shape == (64, 1, 16, 32)
     assert int(mask.sum()) == sum(min(i + 1, 16) for i in range(64 * 16))
+
+
+# ---- trained runs: a window of 6 on rows of 32 (a ring chunk at cp_size 2 is 8 tokens, Ulysses' slice 16) ----
+
+WINDOWED = dict(arch="llama", n_head=4, n_kv_head=2, sliding_window=6, window_pattern=["local", "global"],
+                rope_local_theta=500.0)
+LAYOUTS = {"one": (1, {}), "dp2": (2, {}), "ulysses": (2, dict(cp_size=2)), "ring": (2, dict(cp_size=2, cp_mode="ring"))}
+
+
+@pytest.fixture(scope="module")
+def windowed(tmp_path_factory, corpus):
+    from conftest import launcher_once
+    return launcher_once(tmp_path_factory, "window", **WINDOWED, **corpus)
+
+
+def losses(run_dir) -> dict[int, float]:
+    from conftest import scalars
+    return scalars(f"{run_dir}/tb", "train/loss")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["dp2", "ulysses", "ring"])
+def test_windowed_runs_over_ranks_train_as_one_process(layout, windowed):
+    """2 data-parallel ranks, and each row over 2 ranks (Ulysses; the ring, which exchanges only the
+    columns the window reaches), every step's loss within 1e-5 of one process's."""
+    nproc, settings = LAYOUTS[layout]
+    reference, got = losses(windowed("one", 1)), losses(windowed(layout, nproc, **settings))
+    assert sorted(got) == sorted(reference) == list(range(1, 9))
+    assert all(abs(got[step] - reference[step]) < 1e-5 for step in reference), (got, reference)
+
+
+@pytest.mark.slow
+def test_a_window_that_covers_the_row_trains_as_full_attention_exactly(windowed, corpus, tmp_path):
+    """sliding_window 32 on rows of 32 (one RoPE base): every loss bitwise what the same run without a window logs."""
+    from conftest import run_trainer
+    runs = {}
+    for name, window in (("full", {}), ("covering", dict(sliding_window=32))):
+        (tmp_path / name).mkdir()
+        run_trainer(str(tmp_path / name), **(WINDOWED | dict(sliding_window=None, window_pattern=None, rope_local_theta=None)
+                                           | window), **corpus)
+        runs[name] = losses(tmp_path / name)
+    assert runs["covering"] == runs["full"] and len(runs["full"]) == 8
+    assert runs["full"] != losses(windowed("one", 1))  # the window of 6 trains otherwise
