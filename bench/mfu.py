@@ -92,6 +92,8 @@ ROWS = [
     Row("llama1b", "config/llama_1B.yaml: one process unwrapped, compiled, micro_batch 8 x 1", LLAMA1B,
         "llama1b_ref"),
     Row("llama1b_fsdp", "llama1b, force_fsdp (FULL_SHARD)", LLAMA1B + ["--force_fsdp=true"], "llama1b"),
+    Row("llama1b_window", "llama1b with a sliding window of 512 on every layer (the flash kernel's own window)",
+        LLAMA1B + ["--sliding_window=512"], "llama1b"),
     Row("llama1b_ac", "llama1b with activation checkpointing, 16 rows a micro-batch and a step",
         LLAMA1B + ["--activation_checkpointing=true", "--train_batch=16", "--micro_batch=16"], "llama1b_ref"),
     Row("gpt2_micro16", "gpt2, micro_batch 16 x 4", GPT2 + ["--micro_batch=16"], "gpt2_ref"),

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from conftest import ROOT, assert_quiet, launch, overrides, scalars, tool
-from test_hf_tokenizer import make_tokenizer, write_docs
+from test_hf_tokenizer import make_sentencepiece_tokenizer, make_tokenizer, write_docs
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 from mc_cost import write_items  # noqa: E402
@@ -60,7 +60,8 @@ def qwen3_moe_folder(tmp_path_factory) -> str:
 def gemma3_folder(tmp_path_factory) -> str:
     """A small random Gemma3ForCausalLM saved by the transformers installed (5.x writes layer_types and
     rope_parameters, 4.51 the pattern and both bases): a local layer (a window of 16, shorter than
-    the runs' rows of 64) then a global one, another attention scale, a final soft cap; a tokenizer."""
+    the runs' rows of 64) then a global one, another attention scale, a final soft cap; Gemma's kind
+    of tokenizer beside it."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
     folder = tmp_path_factory.mktemp("gemma3")
     config = Gemma3TextConfig(vocab_size=576, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -73,7 +74,7 @@ def gemma3_folder(tmp_path_factory) -> str:
             if "norm" in name:
                 p.normal_(0.0, 0.3)
     model.save_pretrained(folder)
-    make_tokenizer(folder)
+    make_sentencepiece_tokenizer(folder)  # Gemma's kind: "▁" for spaces, byte fallback, <eos> and <bos>
     return str(folder)
 
 

@@ -37,6 +37,26 @@ def make_tokenizer(folder, vocab_size=500, config=None) -> str:
     return str(folder)
 
 
+def make_sentencepiece_tokenizer(folder, vocab_size=576) -> str:
+    """Gemma's kind of tokenizer.json (SentencePiece's BPE as `tokenizers` holds it): spaces made "▁"
+    by the normalizer, no pre-tokenizer, bytes outside the vocabulary as <0xNN> tokens, special tokens
+    <pad> <eos> <bos> <unk> first; tokenizer_config.json names eos and bos as Gemma's does."""
+    import tokenizers
+    from tokenizers import decoders, normalizers
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>", byte_fallback=True))
+    tok.normalizer = normalizers.Replace(" ", "▁")
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>"] + [f"<0x{b:02X}>" for b in range(256)]
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials)
+    tok.train([os.path.join(STDLIB, "json", name) for name in ("decoder.py", "encoder.py")], trainer)
+    os.makedirs(folder, exist_ok=True)
+    tok.save(os.path.join(folder, "tokenizer.json"))
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<eos>", "bos_token": "<bos>",
+                   "pad_token": "<pad>", "unk_token": "<unk>", "add_bos_token": True}, f)
+    return str(folder)
+
+
 def write_docs(path, n=30) -> list[str]:
     lines = open(os.path.join(STDLIB, "json", "scanner.py")).read().splitlines()
     docs = ["\n".join(lines[i:i + 3 + i % 5]) + " é ✓" for i in range(n)]
@@ -64,6 +84,24 @@ def test_prepared_tokens_are_the_tokenizers_own_encoding(tmp_path):
         got = np.fromfile(tmp_path / "prepared" / f"{split}.bin", dtype=np.uint16).tolist()
         assert got == tokens, split
     assert tok.decode(own.encode(docs[3], add_special_tokens=False).ids) == docs[3]
+
+
+def test_a_sentencepiece_tokenizer_prepares_data_as_transformers_encodes(tmp_path):
+    """Gemma's kind: "▁" for spaces, bytes outside the vocabulary by fallback (é, ✓), <eos> between
+    documents; the prepared tokens are transformers' encoding of each document, and decode back."""
+    from transformers import PreTrainedTokenizerFast
+    folder = make_sentencepiece_tokenizer(tmp_path / "tok")
+    docs = write_docs(tmp_path / "docs.jsonl")
+    meta = data.prepare_data(str(tmp_path / "prepared"), [str(tmp_path / "docs.jsonl")], folder)
+    tok, theirs = HFTokenizer(folder), PreTrainedTokenizerFast.from_pretrained(folder)
+    assert meta["eot_token"] == tok.eot_token == theirs.eos_token_id == 1
+    train = np.fromfile(tmp_path / "prepared" / "train.bin", dtype=np.uint16).tolist()
+    expected = []
+    for i, doc in enumerate(docs):
+        if i % data.VAL_EVERY != data.VAL_EVERY - 1:
+            expected += theirs.encode(doc, add_special_tokens=False) + [1]
+    assert train == expected and any(t >= 4 and t < 260 for t in train)  # byte fallback took part
+    assert tok.decode(theirs.encode(docs[0], add_special_tokens=False)) == docs[0]
 
 
 def test_end_of_text_is_eos_then_bos_and_large_vocabularies_take_uint32(tmp_path):
