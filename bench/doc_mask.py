@@ -13,25 +13,21 @@ documents of 2,048 and of 256 tokens (a separator every so many tokens).
 """
 import argparse
 import os
-import statistics
-import subprocess
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+from peak_step import in_own_process, peak_and_time  # noqa: E402
+
 CASES = {"no mask": None, "doc_mask, one document a row": 0, "doc_mask, documents of 2,048": 2048,
          "doc_mask, documents of 256": 256}
-
-
-def rss_mb(field: str) -> float:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field)) / 1024
 
 
 def case(args, T: int, spacing: int | None) -> None:
     """In a fresh process: print 'peak_mb step_s' of one case."""
     import torch
-    sys.path.insert(0, ROOT)
     from fsdp_gpt.model import GPT, GPTConfig
     torch.manual_seed(0)
     device, cuda = torch.device(args.device), args.device == "cuda"
@@ -49,28 +45,7 @@ def case(args, T: int, spacing: int | None) -> None:
         loss.backward()
         if cuda:
             torch.cuda.synchronize()
-    step()  # untimed: first-call costs
-    if cuda:
-        before = torch.cuda.memory_allocated() / 2**20
-        torch.cuda.reset_peak_memory_stats()
-    else:
-        before = rss_mb("VmRSS:")
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets the peak (VmHWM) to the current RSS
-    times = []
-    for _ in range(args.steps):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else rss_mb("VmHWM:")
-    print(f"{peak - before:.1f} {statistics.median(times):.4f}")
-
-
-def measure(args, T: int, spacing: int | None) -> tuple[float, float]:
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", PYTHONPATH=ROOT)
-    out = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--case", str(T), str(spacing)], env=env,
-                         capture_output=True, text=True, check=True).stdout.split()
-    return float(out[0]), float(out[1])
+    print(peak_and_time(step, args.steps, cuda))
 
 
 def main() -> None:
@@ -92,7 +67,7 @@ def main() -> None:
     for T in args.lengths:
         base = None
         for name, spacing in CASES.items():
-            peak, seconds = measure(args, T, spacing)
+            peak, seconds = in_own_process(__file__, str(T), str(spacing))
             base = base or (peak, seconds)
             print(f"| {T:,} | {name} | {peak:.1f} | {peak / base[0]:.2f} | {seconds:.4f} | {seconds / base[1]:.2f} |",
                   flush=True)

@@ -12,23 +12,18 @@ each figure by the row half as long's: 2 for linear growth, 4 for quadratic.
 """
 import argparse
 import os
-import statistics
-import subprocess
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def rss_mb(field: str) -> float:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field)) / 1024
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+from peak_step import in_own_process, peak_and_time  # noqa: E402
 
 
 def case(args, T: int, window: int | None) -> None:
     """In a fresh process: print 'peak_mb step_s' of one case."""
     import torch
-    sys.path.insert(0, ROOT)
     from fsdp_gpt.attention import causal_attention
     torch.manual_seed(0)
     device, cuda, dtype = torch.device(args.device), args.device == "cuda", getattr(torch, args.dtype)
@@ -41,28 +36,7 @@ def case(args, T: int, window: int | None) -> None:
         torch.autograd.grad(out, (q, k, v), dout)
         if cuda:
             torch.cuda.synchronize()
-    step()  # untimed: first-call costs
-    if cuda:
-        before = torch.cuda.memory_allocated() / 2**20
-        torch.cuda.reset_peak_memory_stats()
-    else:
-        before = rss_mb("VmRSS:")
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets the peak (VmHWM) to the current RSS
-    times = []
-    for _ in range(args.steps):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else rss_mb("VmHWM:")
-    print(f"{peak - before:.1f} {statistics.median(times):.4f}")
-
-
-def measure(T: int, window: int | None) -> tuple[float, float]:
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", PYTHONPATH=ROOT)
-    out = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--case", str(T), str(window)], env=env,
-                         capture_output=True, text=True, check=True).stdout.split()
-    return float(out[0]), float(out[1])
+    print(peak_and_time(step, args.steps, cuda))
 
 
 def main() -> None:
@@ -85,7 +59,7 @@ def main() -> None:
     for name, window in (("full causal", None), (f"window {args.window}", args.window)):
         last = None
         for T in args.lengths:
-            peak, seconds = measure(T, window)
+            peak, seconds = in_own_process(__file__, str(T), str(window))
             growth = f"{peak / last[0]:.2f} | {seconds / last[1]:.2f}" if last else " | "
             print(f"| {T:,} | {name} | {peak:.1f} | {seconds:.4f} | {growth} |", flush=True)
             last = (peak, seconds)
