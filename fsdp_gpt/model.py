@@ -60,6 +60,7 @@ class OffsetRMSNorm(nn.Module):
 NORMS = {"layernorm": lambda cfg, width: nn.LayerNorm(width, eps=cfg.norm_eps, bias=cfg.bias),
          "rmsnorm": lambda cfg, width: nn.RMSNorm(width, eps=cfg.norm_eps),
          "rmsnorm_offset": lambda cfg, width: OffsetRMSNorm(width, cfg.norm_eps)}
+NORM_TYPES = (nn.LayerNorm, nn.RMSNorm, OffsetRMSNorm)  # what NORMS builds
 
 
 def norm(cfg: GPTConfig, width: int) -> nn.Module:
@@ -243,7 +244,7 @@ class GPT(nn.Module):
         1/sqrt(2 * n_layer), or zero (zero_init_proj: every block starts as the identity, as in
         modded-nanogpt). Each norm initialises itself, by what it is (NORMS)."""
         std = self.config.family.init_std
-        norms = [m for m in self.modules() if isinstance(m, (nn.LayerNorm, nn.RMSNorm, OffsetRMSNorm))]
+        norms = [m for m in self.modules() if isinstance(m, NORM_TYPES)]
         for module in norms:
             module.reset_parameters()
         of_norms = {id(p) for module in norms for p in module.parameters()}
