@@ -124,7 +124,7 @@ def note(cfg, wrap: str, all_gather: bool, linears: dict, picked: set, moe_layer
     how = ["emulated: fp32 matmuls"] * cfg.fp8_emulate
     how += (["float8 all-gather, scales computed after each step"] if all_gather else
             ["weights all-gathered in high precision, then cast"] if wrap == "fsdp" else [])
-    if not (cfg.compile or cfg.fp8_emulate):  # uncompiled, torchao measured rowwise at 0.23x bf16
+    if not (cfg.compile or cfg.fp8_emulate):  # published: uncompiled rowwise at 0.23x bf16's speed
         how.append("uncompiled, torchao's casts run eagerly: slower than without fp8, set compile: true")
     rest = sorted(set(linears) - picked)
     high = ["the embeddings and LM head"] + [f"{len(rest)} by fp8_layers {cfg.fp8_layers} ({_kinds(rest)})"] * bool(rest) \
