@@ -259,7 +259,8 @@ def validate_run(cfg: TrainConfig) -> None:
     require(cfg.ep_size == 1 or (cfg.fsdp and cfg.sharding_strategy in EP_STRATEGIES),
             f"ep_size={cfg.ep_size} needs FSDP with {', '.join(EP_STRATEGIES)} (DDP and NO_SHARD hold every weight "
             f"whole on every rank): ep_size must be 1 otherwise")
-    require(cfg.fp8 is None or cfg.fp8 in FP8_RECIPES, f"fp8 '{cfg.fp8}' is not one of {', '.join(FP8_RECIPES)} (null: off)")
+    require(cfg.fp8 is None or cfg.fp8 in FP8_RECIPES,
+            f"fp8 '{cfg.fp8}' is not one of {', '.join(FP8_RECIPES)} (null: off)")
     require(cfg.fp8_layers in FP8_LAYERS, f"fp8_layers '{cfg.fp8_layers}' is not one of {', '.join(FP8_LAYERS)}")
     require(cfg.fp8 is not None or (cfg.fp8_layers == "auto" and not cfg.fp8_emulate),
             f"fp8_layers and fp8_emulate configure FP8 matmuls: set fp8 ({', '.join(FP8_RECIPES)})")

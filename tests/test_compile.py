@@ -1,5 +1,6 @@
 """Compiled blocks that stay compiled: over 10 steps and an eval, dynamo's own counts of graph breaks
-and recompiles (tests/compile_probe.py), FP8's emulated linears under FSDP2's float8 all-gather among them. The one recompile allowed is the eval's (no_grad is a new
+and recompiles (tests/compile_probe.py), FP8's emulated linears under FSDP2's float8 all-gather
+among them. The one recompile allowed is the eval's (no_grad is a new
 global state for every compiled frame); doc_mask's one graph break is document_attention's eager
 region (documented in docs/performance.md: its documents' bookkeeping on the host)."""
 import json
@@ -14,7 +15,8 @@ from test_fp8 import float8
 pytestmark = pytest.mark.slow
 LLAMA = dict(arch="llama", n_kv_head=1)
 CASES = {"gpt2": {}, "llama": LLAMA, "experts": LLAMA | dict(moe_experts=4, moe_top_k=2, moe_bias_rate=0.01),
-         "doc_mask": dict(doc_mask=True), "fp8": dict(fp8="tensorwise", fp8_emulate=True, fp8_layers="all", force_fsdp=True)}
+         "doc_mask": dict(doc_mask=True),
+         "fp8": dict(fp8="tensorwise", fp8_emulate=True, fp8_layers="all", force_fsdp=True)}
 
 
 def compiled_run(tmp_path, data: dict, settings: dict) -> dict:

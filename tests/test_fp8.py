@@ -13,8 +13,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.utils._pytree import tree_leaves
 
 import train_fsdp
-from conftest import (DEMO, ROOT, RUN, TINY, assert_quiet, checkpoint_of, launch, launcher_once, overrides, run_trainer, scalars,
-                      stderr_of)
+from conftest import (DEMO, ROOT, RUN, TINY, assert_quiet, checkpoint_of, launch, launcher_once, overrides,
+                      run_trainer, scalars, stderr_of)
 from fsdp_gpt import compat
 from fsdp_gpt.config import TrainConfig
 from fsdp_gpt.config_parse import parse_args
@@ -57,7 +57,8 @@ def test_which_linears_run_in_fp8():
     assert converted(moe) == [f"blocks.{i}.{kind}" for i in (0, 1) for kind in
                               ("attn.c_attn", "attn.c_proj", "mlp.shared.c_fc", "mlp.shared.c_proj")]
     assert type(moe.lm_head) is torch.nn.Linear and all(type(m.router) is torch.nn.Linear for m in moe.moe_layers())
-    assert all(type(p) is torch.nn.Parameter for m in moe.moe_layers() for p in m.experts.parameters())  # grouped, as they were
+    experts = [p for m in moe.moe_layers() for p in m.experts.parameters()]
+    assert experts and all(type(p) is torch.nn.Parameter for p in experts)  # grouped, as they were
     assert note == ("fp8 tensorwise (emulated: fp32 matmuls): 8 of 8 block linears in FP8 (attn.c_attn x2, attn.c_proj "
                     "x2, mlp.shared.c_fc x2, mlp.shared.c_proj x2); high precision: the embeddings and LM head, the "
                     "routers and experts of 2 MoE layers")
@@ -139,11 +140,13 @@ def test_scales_of_the_fp8_gathered_weights_and_checkpoints_of_plain_tensors(one
     Float8Scales(model)  # at start-up; the loop calls step() after each optimizer step
     for w in weights:
         shard = w._local_tensor  # what FSDP2 gathers (to_local() makes a new wrapper, without the scale)
-        assert shard._precomputed_scale == pytest.approx(torch.finfo(torch.float8_e4m3fn).max / shard._tensor.abs().max().item())
+        amax = shard._tensor.abs().max().item()
+        assert shard._precomputed_scale == pytest.approx(torch.finfo(torch.float8_e4m3fn).max / amax)
     full = get_model_state_dict(model, options=FULL_OPTIONS)
     assert {type(v).__name__ for v in full.values()} == {"WeightWithDynamicFloat8CastTensor", "Tensor"}  # why plain() is
     assert {type(plain(v)) for v in full.values()} == {torch.Tensor}
-    assert {type(t) for w in weights for t in tree_leaves(piece_of(w, 0)) if isinstance(t, torch.Tensor)} == {torch.Tensor}
+    pieces = [t for w in weights for t in tree_leaves(piece_of(w, 0)) if isinstance(t, torch.Tensor)]
+    assert {type(t) for t in pieces} == {torch.Tensor}
 
 
 def test_refusals_that_need_torch_torchao_and_the_device(corpus, tmp_path, monkeypatch, capsys):
@@ -185,13 +188,14 @@ def fp8_run(corpus, tmp_path_factory):
     """fp8_run(name) -> the folder of the run PARITY (or "one", or "resharded") names, launched once."""
     float8()
     launch_once = launcher_once(tmp_path_factory, "fp8", **FP8, **STEPS, **corpus)
-    others = {"one": (1, {}), "resharded": (1, dict(force_fsdp=True, checkpoint_type="full")), "cp2": (2, dict(cp_size=2)),
+    others = {"one": (1, {}), "resharded": (1, dict(force_fsdp=True, checkpoint_type="full")),
+              "cp2": (2, dict(cp_size=2)),
               # a mixture's experts over 2 ranks, Muon, HYBRID_SHARD_ZERO2's mesh (1, 2)
               "experts": (2, dict(arch="llama", n_kv_head=1, moe_experts=4, moe_shared=1, ep_size=2, optimizer="muon",
                                   sharding_strategy="HYBRID_SHARD_ZERO2", fsdp_size=2))}
 
     def run(name: str) -> str:
-        if name == "resharded":  # FULL_SHARD2's step 5 on one process wrapped in FSDP2: full checkpoints of plain tensors
+        if name == "resharded":  # FULL_SHARD2's step 5 on one process in FSDP2, writing full checkpoints
             others[name][1]["resume_from"] = checkpoint_of(run("FULL_SHARD2"), "sharded", 5, rank=0)
         nproc, settings = (PARITY | others)[name]
         return launch_once(name, nproc, **settings)

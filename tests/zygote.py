@@ -1,7 +1,7 @@
 """A launcher for the tests that starts ranks without importing torch again for each of them.
 
 Importing torch, FSDP and DCP is ~2.2 CPU-seconds per process, about three quarters of a tiny
-test run's cost (torchao, which fp8 runs import, another 1.6). This server imports them once (nothing else: no thread, no collective, no CUDA),
+test run's cost. This server imports them once (nothing else: no thread, no collective, no CUDA),
 then serves launches: for each request it forks a launcher, which forks one process per rank with
 the environment torchrun would give it (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT), all ranks writing to one stdout and one stderr as under torchrun, and

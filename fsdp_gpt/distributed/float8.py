@@ -12,6 +12,7 @@ torchao's FP8 grouped matmul is a prototype that needs CUDA and Triton, untested
 torchao is imported only when `fp8` is set: a run, evaluate.py or sample.py without it never needs it.
 """
 import collections
+import contextlib
 import dataclasses
 import logging
 import re
@@ -38,18 +39,24 @@ class QuietImport(logging.Filter):
             "is an Enum subclass and is now natively supported" not in message
 
 
-def torchao_float8():
-    """torchao.float8, imported quietly (ImportError where torchao is not installed)."""
-    if "torchao.float8" in sys.modules:
-        return sys.modules["torchao.float8"]
+@contextlib.contextmanager
+def quiet_torchao():
+    """Importing torchao, directly or through transformers (whose models import it where it is
+    installed), without QuietImport's two notes."""
     quiet, loggers = QuietImport(), [logging.getLogger("torchao"), logging.getLogger("torch.utils._pytree")]
     for logger in loggers:
         logger.addFilter(quiet)
     try:
-        import torchao.float8
+        yield
     finally:
         for logger in loggers:
             logger.removeFilter(quiet)
+
+
+def torchao_float8():
+    """torchao.float8, imported quietly (ImportError where torchao is not installed)."""
+    with quiet_torchao():
+        import torchao.float8
     return torchao.float8
 
 
@@ -127,8 +134,9 @@ def note(cfg, wrap: str, all_gather: bool, linears: dict, picked: set, moe_layer
     if not (cfg.compile or cfg.fp8_emulate):  # published: uncompiled rowwise at 0.23x bf16's speed
         how.append("uncompiled, torchao's casts run eagerly: slower than without fp8, set compile: true")
     rest = sorted(set(linears) - picked)
-    high = ["the embeddings and LM head"] + [f"{len(rest)} by fp8_layers {cfg.fp8_layers} ({_kinds(rest)})"] * bool(rest) \
-        + [f"the routers and experts of {moe_layers} MoE layers"] * bool(moe_layers)
+    high = ["the embeddings and LM head"]
+    high += [f"{len(rest)} by fp8_layers {cfg.fp8_layers} ({_kinds(rest)})"] * bool(rest)
+    high += [f"the routers and experts of {moe_layers} MoE layers"] * bool(moe_layers)
     how = f" ({'; '.join(how)})" if how else ""
     chosen_kinds = f" ({_kinds(sorted(picked))})" if picked else ""
     return (f"fp8 {cfg.fp8}{how}: {len(picked)} of {len(linears)} block linears in FP8{chosen_kinds}; high "

@@ -1,7 +1,7 @@
 """The model made ready for its ranks, in a fixed order: built on the meta device, context
-and expert parallelism swapped in, FP8 linears (fp8), activation checkpointing, compile, fully_shard per DecoderBlock and then
-the root (or DDP, or nothing at one process), weights initialised on rank 0 and broadcast into the
-shards. model.py knows nothing of this: every part here is applied from outside.
+and expert parallelism swapped in, FP8 linears (fp8), activation checkpointing, compile,
+fully_shard per DecoderBlock and then the root (or DDP, or nothing at one process), weights
+initialised on rank 0 and broadcast into the shards. model.py knows nothing of this: every part here is applied from outside.
 """
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
