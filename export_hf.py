@@ -23,6 +23,7 @@ from fsdp_gpt.checkpoint.ckpt_format import read_model
 from fsdp_gpt.config import UserError, exit_code
 from fsdp_gpt.data.tokenizer import get_tokenizer
 from fsdp_gpt.data.tokenizer_export import save_tokenizer
+from fsdp_gpt.distributed.float8 import quiet_torchao
 from fsdp_gpt.hf_format import fused_like, hf_config, to_hf
 from fsdp_gpt.model import GPTConfig
 
@@ -44,7 +45,8 @@ def add_legacy_keys(path: str, keys: dict, dtype: str) -> None:
 
 def export(checkpoint: str, out_dir: str, dtype: str = "fp32", max_shard_size: str = "5GB") -> None:
     try:
-        from transformers import AutoConfig, AutoModelForCausalLM
+        with quiet_torchao():  # the models' module imports torchao where it is installed (fp8's extra)
+            from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel  # noqa: F401
     except ImportError:
         raise UserError("export_hf.py needs transformers: pip install transformers")
     ckpt, state = read_model(checkpoint)

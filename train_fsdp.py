@@ -1,7 +1,7 @@
 """Pretrain a GPT with FSDP2.  python train_fsdp.py CONFIG.yaml [--key=value ...]  (or under torchrun)
 python train_fsdp.py --help lists every config key with its type, default and meaning.
 
-Order of work: config -> process group and mesh -> data -> model on the meta device ->
+Order of work: config -> process group and mesh -> data -> model on the meta device -> FP8 linears ->
 activation checkpointing -> compile -> fully_shard per DecoderBlock, then the root ->
 weights initialised on rank 0 and broadcast into the shards -> optimizer -> resume -> loop.
 Each concern lives in the package (docs/architecture.md has the map); this file is the order.
@@ -20,6 +20,7 @@ from fsdp_gpt.data.loader import BatchLoader
 from fsdp_gpt.data.prepare import prepare_sources
 from fsdp_gpt.data.run_data import open_loader, settle_data
 from fsdp_gpt.distributed.context_parallel import swaps_attention
+from fsdp_gpt.distributed.float8 import Float8Scales, check_fp8
 from fsdp_gpt.distributed.launch import Topology, agree, init_distributed, run_entry_point
 from fsdp_gpt.distributed.parallelize import build_model, forward_context, micro_steps
 from fsdp_gpt.distributed.shards import full_tensor
@@ -108,6 +109,7 @@ def train(cfg) -> int:
     dtype = compute_dtype(cfg.dtype, device)
     check_offload(dtype, cfg.cpu_offload)
     check_skip(cfg, dtype)
+    check_fp8(cfg, device)
     # each rank reads the data itself (node-local disks): a failure on one stops every rank
     sources = agree(lambda: prepare_sources(cfg.data_mix, cfg.data_path, cfg.data_source, cfg.tokenizer))
     watchdog = Watchdog(topo, cfg)  # data preparation, which may take hours, is not bounded
@@ -123,6 +125,7 @@ def train(cfg) -> int:
     watchdog.arm("the resume")
     step = ckpt.resume(cfg.resume_from, model, optimizer)
     loader = open_loader(cfg, sources, topo, step)
+    fp8_scales = Float8Scales(gpt)  # the FP8-gathered weights' scales, of the weights as resumed, then after each step
     spikes = SpikeDetector(device, cfg.spike_zscore, cfg.spike_window)
     balance = ExpertBalance(gpt, cfg.moe_bias_rate, device)  # the experts' loads (and biases) after each step
     wandb_run = WandbRunId(cfg)
@@ -159,6 +162,7 @@ def train(cfg) -> int:
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
+            fp8_scales.step()
             balance.step()
             times.end()
             profiling.end(step)

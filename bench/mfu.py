@@ -19,6 +19,8 @@ shows it. A row with `trace` (or named in --trace) also records two steps after 
 torch.profiler and splits their GPU time (matmuls, attention, loss, optimizer, FSDP copies and
 collectives, other, idle); the trace is kept gzipped as {out}/{row}.trace.json.gz. The rows share --budget seconds; a row that no longer fits is shown as not run. Extra
 --key=value arguments go to every run, last (tests/test_mfu.py runs two rows at tiny size on CPU).
+The fp8 rows need torchao: installed, or unpacked into .torchao/ at the checkout's root for a machine
+without pip (docs/fp8.md#on-a-machine-without-pip), which the rows then import first.
 """
 import argparse
 import glob
@@ -37,6 +39,8 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 from gpu_check import failure, machine, run_logged  # noqa: E402
 
+# torchao unpacked into the checkout for a GPU machine without pip (docs/fp8.md#on-a-machine-without-pip)
+TORCHAO = os.path.join(ROOT, ".torchao")
 STEPS, LOG_EVERY = 60, 20
 TRACED = [STEPS + 1, STEPS + 2]
 BYTES = ["--data_path=data/stdlib_bytes", "--data_source=stdlib", "--tokenizer=bytes", "--dtype=bf16",
@@ -96,6 +100,14 @@ ROWS = [
         LLAMA1B + ["--sliding_window=512"], "llama1b"),
     Row("llama1b_ac", "llama1b with activation checkpointing, 16 rows a micro-batch and a step",
         LLAMA1B + ["--activation_checkpointing=true", "--train_batch=16", "--micro_batch=16"], "llama1b_ref"),
+    # FP8 (docs/fp8.md), each against its bf16 row: torchao's cut-offs (fp8_layers auto) take every linear
+    # of Llama 1B under tensorwise, its 8192-wide c_fc alone under rowwise; GPT-2 124M's c_attn and c_fc
+    Row("llama1b_fp8", "llama1b with fp8 tensorwise, auto (all 64 block linears)", LLAMA1B + ["--fp8=tensorwise"],
+        "llama1b"),
+    Row("llama1b_fp8_rowwise", "llama1b with fp8 rowwise, auto (the 16 c_fc)", LLAMA1B + ["--fp8=rowwise"], "llama1b"),
+    Row("gpt2_fp8", "gpt2 with fp8 tensorwise, auto (c_attn and c_fc, 24 of 48)", GPT2 + ["--fp8=tensorwise"], "gpt2"),
+    Row("gpt2_fsdp_fp8", "gpt2_fsdp with fp8 tensorwise, auto: the converted weights all-gathered in FP8",
+        GPT2 + ["--force_fsdp=true", "--fp8=tensorwise"], "gpt2_fsdp"),
     Row("gpt2_micro16", "gpt2, micro_batch 16 x 4", GPT2 + ["--micro_batch=16"], "gpt2_ref"),
     Row("gpt2_micro64", "gpt2, micro_batch 64 x 1", GPT2 + ["--micro_batch=64"], "gpt2_ref"),
     Row("gpt2_blocks_only", "gpt2, compile of the blocks only (the loss's chunks eager)", GPT2, "gpt2_ref",
@@ -272,6 +284,20 @@ def keep_trace(path: str, packed: str) -> None:
         json.dump(trace, f)
 
 
+def carried_torchao() -> str:
+    """Where the rows' torchao comes from: .torchao/ (put first on this process's path and, through
+    PYTHONPATH, on every row's, before an installed torchao) where it holds one, else what is installed."""
+    if os.path.isdir(os.path.join(TORCHAO, "torchao")):
+        sys.path.insert(0, TORCHAO)
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (TORCHAO, os.environ.get("PYTHONPATH")) if p)
+    from importlib.machinery import PathFinder
+    from importlib.metadata import version
+    spec = PathFinder.find_spec("torchao")  # what a row finds on its path (whatever this process imported)
+    if spec is None:
+        return "no torchao (the fp8 rows fail)"
+    return f"torchao {version('torchao')} from {os.path.dirname(os.path.dirname(spec.origin))}"
+
+
 def run_row(row: Row, folder: str, extra: list[str], left: float, trace: bool) -> dict:
     os.makedirs(folder, exist_ok=True)
     log = os.path.join(folder, f"{row.name}.log")
@@ -338,7 +364,8 @@ def main() -> int:
     import torch
     from fsdp_gpt.observe.peak_flops import gpu_peak_flops
     peak = gpu_peak_flops(torch.device("cuda"), torch.bfloat16) if torch.cuda.is_available() else None
-    print(machine(), flush=True)
+    torchao = carried_torchao() if any("--fp8" in " ".join(row.args) for row in chosen) else ""
+    print(machine(), torchao, flush=True)
     start, results = time.monotonic(), []
     for row in chosen:
         left = args.budget - (time.monotonic() - start)
@@ -348,7 +375,7 @@ def main() -> int:
             results.append({"row": row.name, "what": row.what, "vs": row.vs, "result": f"not run: {why}"})
             continue
         results.append(run_row(row, args.out, extra, left, row.trace or row.name in args.trace.split(",")))
-    text = table(results, peak) + f"\n\n{time.strftime('%Y-%m-%d')}, {machine()}"
+    text = table(results, peak) + f"\n\n{time.strftime('%Y-%m-%d')}, {machine()}{f', {torchao}' if torchao else ''}"
     print(text)
     with open(os.path.join(args.out, "table.md"), "w") as f:
         f.write(text + "\n")

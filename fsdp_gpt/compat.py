@@ -37,6 +37,12 @@ def flash_takes_window() -> bool:
     return "window_size_left" in str(torch.ops.aten._flash_attention_forward.default._schema)
 
 
+def float8_training() -> bool:
+    """Whether torchao's float8 training (fp8, torchao 0.18) runs on this torch: from 2.11, the
+    oldest torchao 0.18 supports (it loads its kernels and registers its FP8 ops from there on)."""
+    return torch_version() >= (2, 11)
+
+
 def average_over_gloo(unit, device: torch.device, reduces: bool = True) -> None:
     """FSDP2 averages gradients with ReduceOp.AVG, which gloo sums without dividing in torch 2.8: on
     gloo (CPU), an FSDP unit sums and divides by the data-parallel size instead (NCCL keeps AVG).

@@ -43,6 +43,8 @@ CP_MODES = ("ulysses", "ring")
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 MUON_COEFFICIENTS = ("quintic", "polar_express")
 MOE_SCORES = ("softmax", "sigmoid")
+FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")  # torchao's Float8LinearRecipeName
+FP8_LAYERS = ("auto", "all")
 # the strategies expert parallelism builds on: the experts sharded over what the expert groups leave
 EP_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
 
@@ -101,6 +103,13 @@ class TrainConfig(ModelKeys):
     dtype: str = key("auto", "compute dtype: auto (bf16 on GPUs that have it, else fp16 with loss scaling; fp32 on "
                              "CPU), bf16, fp16 or fp32")
     reduce_dtype: str = key("fp32", "FSDP's gradient reduction dtype (DDP reduces the gradients as they are, fp32)")
+    fp8: str | None = key(None, "FP8 matmuls in the blocks' linears through torchao (docs/fp8.md): tensorwise (FSDP2 "
+                                "all-gathers their weights in FP8), rowwise or rowwise_with_gw_hp; null: off. Needs "
+                                "pip install -e '.[fp8]', torch 2.11+ and a GPU of sm89+ (or fp8_emulate)")
+    fp8_layers: str = key("auto", "fp8: which block linears run in FP8: auto (torchao's size cut-offs for the recipe, "
+                                  "where FP8 pays on an H100) or all (each whose two sizes divide by 16)")
+    fp8_emulate: bool = key(False, "fp8: the FP8 casts with fp32 matmuls (torchao's emulate), on any device: slow, "
+                                   "for tests and trying settings")
     cpu_offload: bool = key(False, "FSDP: parameters, gradients and optimizer state in host memory")
     fsdp_prefetch: int = key(0, "FSDP: blocks whose all-gathers each block's forward and backward start ahead (0: "
                                 "FSDP2's own order, one block ahead; 1: the same overlap, issued earlier); one "
@@ -250,6 +259,11 @@ def validate_run(cfg: TrainConfig) -> None:
     require(cfg.ep_size == 1 or (cfg.fsdp and cfg.sharding_strategy in EP_STRATEGIES),
             f"ep_size={cfg.ep_size} needs FSDP with {', '.join(EP_STRATEGIES)} (DDP and NO_SHARD hold every weight "
             f"whole on every rank): ep_size must be 1 otherwise")
+    require(cfg.fp8 is None or cfg.fp8 in FP8_RECIPES,
+            f"fp8 '{cfg.fp8}' is not one of {', '.join(FP8_RECIPES)} (null: off)")
+    require(cfg.fp8_layers in FP8_LAYERS, f"fp8_layers '{cfg.fp8_layers}' is not one of {', '.join(FP8_LAYERS)}")
+    require(cfg.fp8 is not None or (cfg.fp8_layers == "auto" and not cfg.fp8_emulate),
+            f"fp8_layers and fp8_emulate configure FP8 matmuls: set fp8 ({', '.join(FP8_RECIPES)})")
     require(cfg.fsdp or not cfg.cpu_offload,
             "cpu_offload: true needs fsdp: true (DDP keeps every parameter and optimizer state on the GPU)")
     require(cfg.fsdp or not cfg.force_fsdp, "force_fsdp: true needs fsdp: true (it wraps one process in FSDP2)")

@@ -10,13 +10,16 @@ import pytest
 from conftest import ROOT, overrides
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
+import mfu  # noqa: E402
 from mfu import split_trace  # noqa: E402
+
+TINY_ROW = dict(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=256, train_batch=8, micro_batch=4,
+                dtype="fp32", compile=False)
 
 
 @pytest.mark.slow
 def test_rows_run_and_are_tabled_against_the_plain_loop(corpus, tmp_path):
-    tiny = overrides(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=256, train_batch=8, micro_batch=4,
-                     dtype="fp32", compile=False, **corpus)
+    tiny = overrides(**TINY_ROW, **corpus)
     result = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "mfu.py"), "--rows",
                              "gpt2_ref,gpt2,gpt2_logits_loss", "--out", str(tmp_path), *tiny],
                             capture_output=True, text=True, timeout=600, cwd=ROOT)
@@ -45,3 +48,37 @@ def test_a_trace_splits_into_kinds_and_idle_time(tmp_path):
     assert top[0] == ("nvjet_sm90_tst_256x128_gemm", 0.01)
     (tmp_path / "cpu.json").write_text(json.dumps({"traceEvents": events[-1:]}))
     assert split_trace(str(tmp_path / "cpu.json")) is None
+
+
+def test_each_fp8_row_is_its_bf16_row_with_fp8():
+    rows = {row.name: row for row in mfu.ROWS}
+    for name in ("llama1b_fp8", "llama1b_fp8_rowwise", "gpt2_fp8", "gpt2_fsdp_fp8"):
+        fp8 = [a for a in rows[name].args if a.startswith("--fp8")]
+        assert len(fp8) == 1 and [a for a in rows[name].args if a not in fp8] == rows[rows[name].vs].args, name
+
+
+@pytest.mark.slow
+def test_fp8_row_runs_emulated_with_float8_all_gather(corpus, tmp_path):
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "mfu.py"), "--rows", "gpt2_fsdp_fp8", "--out",
+                             str(tmp_path), *overrides(**TINY_ROW, **corpus, fp8_emulate=True, fp8_layers="all")],
+                            capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "torchao 0.18" in result.stdout.splitlines()[0]  # where the rows' torchao comes from
+    assert "8 of 8 block linears in FP8" in (tmp_path / "gpt2_fsdp_fp8.log").read_text()
+    assert "float8 all-gather" in (tmp_path / "gpt2_fsdp_fp8.log").read_text()
+
+
+def test_rows_import_the_torchao_unpacked_in_the_checkout(tmp_path, monkeypatch):
+    """A folder as docs/fp8.md makes it (torchao/ and its dist-info): first on the rows' path, before
+    the torchao installed here."""
+    (tmp_path / "torchao").mkdir()
+    (tmp_path / "torchao" / "__init__.py").write_text("")
+    (tmp_path / "torchao-9.9.dist-info").mkdir()
+    (tmp_path / "torchao-9.9.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: torchao\nVersion: 9.9\n")
+    monkeypatch.setattr(mfu, "TORCHAO", str(tmp_path))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+    assert mfu.carried_torchao() == f"torchao 9.9 from {tmp_path}"
+    row = subprocess.run([sys.executable, "-c", "import torchao; print(torchao.__file__)"], capture_output=True,
+                         text=True, timeout=60)
+    assert row.stdout.strip() == str(tmp_path / "torchao" / "__init__.py")

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
 
 from fsdp_gpt.config import UserError
+from fsdp_gpt.distributed.float8 import plain
 from fsdp_gpt.distributed.shards import local_slice
 from fsdp_gpt.families import FAMILIES
 from fsdp_gpt.model import GPT, GPTConfig
@@ -176,8 +177,9 @@ def check_model_shape(source: str, saved: dict, cfg, action: str = "resume it") 
 
 def host_copy(t: torch.Tensor) -> torch.Tensor:
     """A host copy that owns its bytes: what is written never aliases a training tensor, and
-    device tensors (a fused optimizer's `step` lives on the GPU) leave the device first."""
-    return t.detach().to("cpu", copy=True)
+    device tensors (a fused optimizer's `step` lives on the GPU) leave the device first; a weight
+    FSDP2 all-gathers in FP8 is written as the plain tensor under torchao's wrapper."""
+    return plain(t).detach().to("cpu", copy=True)
 
 
 def is_first_replica(t: torch.Tensor, rank: int) -> bool:

@@ -23,6 +23,7 @@ from fsdp_gpt.checkpoint.ckpt_format import (
 from fsdp_gpt.checkpoint.ckpt_index import build_index, check_file, check_whole, files_to_open, layout, model_key, wanted_rows
 from fsdp_gpt.checkpoint.run_lock import RunLock
 from fsdp_gpt.config import RunStopped, UserError, to_dict
+from fsdp_gpt.distributed.float8 import plain
 from fsdp_gpt.distributed.launch import agree
 from fsdp_gpt.distributed.shards import local_slice, zero_rows
 
@@ -119,6 +120,7 @@ class CheckpointManager:
             # collectives on every rank; rank 0 alone receives the full dicts (host copies) and writes
             state = {"model": get_model_state_dict(model, options=FULL_OPTIONS),
                      "optimizer": get_optimizer_state_dict(model, optimizer, options=FULL_OPTIONS)}
+            state = tree_map_only(torch.Tensor, plain, state)  # torchao's FP8-gathered weights (one rank: not gathered)
             path, marker = full_path(self.dir, step), None
             if self.cfg.async_save:  # a 1-rank gather may alias the live tensors: own the bytes
                 state = tree_map_only(torch.Tensor, torch.clone, state)

@@ -1,7 +1,7 @@
 """The model made ready for its ranks, in a fixed order: built on the meta device, context
-and expert parallelism swapped in, activation checkpointing, compile, fully_shard per DecoderBlock and then
-the root (or DDP, or nothing at one process), weights initialised on rank 0 and broadcast into the
-shards. model.py knows nothing of this: every part here is applied from outside.
+and expert parallelism swapped in, FP8 linears (fp8), activation checkpointing, compile,
+fully_shard per DecoderBlock and then the root (or DDP, or nothing at one process), weights
+initialised on rank 0 and broadcast into the shards. model.py knows nothing of this: every part here is applied from outside.
 """
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -13,6 +13,7 @@ from fsdp_gpt.config import UserError
 from fsdp_gpt.distributed.context_parallel import apply_context_parallel, swaps_attention
 from fsdp_gpt.distributed.ring_attention import ring_refusal
 from fsdp_gpt.distributed.expert_parallel import apply_expert_parallel, shard_experts
+from fsdp_gpt.distributed.float8 import convert
 from fsdp_gpt.distributed.launch import STRATEGY_TABLE, Topology, agree
 from fsdp_gpt.distributed.precision import DTYPES, autocast, compute_dtype
 from fsdp_gpt.hf_format import read_hf_folder
@@ -42,6 +43,10 @@ def build_model(cfg, gpt_cfg: GPTConfig, topo: Topology) -> torch.nn.Module:
                                topo.device)
     if topo.ep_size > 1:
         apply_expert_parallel(model, topo.expert_mesh["ep"])
+    if cfg.fp8:
+        note = convert(model, cfg, topo.wrap)
+        if topo.is_main:
+            print(note, flush=True)
     model.activation_checkpointing = cfg.activation_checkpointing
     if cfg.compile:
         compile_model(model, cfg.compile_mode)
