@@ -140,7 +140,8 @@ def test_grouped_query_attention_avoids_the_math_kernel(monkeypatch):
     assert model_module.sdpa_takes_gqa(q("cpu", torch.float32))
     torch.manual_seed(0)
     attention = model_module.CausalSelfAttention(GPTConfig(arch="llama", n_head=4, n_kv_head=2, n_embd=32), layer=0)
-    x, rope = torch.randn(2, 16, 32), model_module.rotary(GPTConfig(arch="llama", n_head=4, n_embd=32), torch.arange(16))
+    x, rope = torch.randn(2, 16, 32), model_module.rotary(GPTConfig(arch="llama", n_head=4, n_embd=32), torch.arange(16),
+                                                          10000.0, None)
     calls, sdpa = [], torch.nn.functional.scaled_dot_product_attention
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", lambda q, k, v, **kw: (
         calls.append((k.shape[1], kw["enable_gqa"])), sdpa(q, k, v, **kw))[1])
