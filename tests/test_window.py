@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from fsdp_gpt.attention import Documents, band_mask, causal_attention
+from test_doc_mask import short_corpus  # noqa: F401 - the fixture: rows holding several documents
 
 B, H, KV, D = 2, 4, 2, 8
 
@@ -107,6 +108,17 @@ def test_windowed_runs_over_ranks_train_as_one_process(layout, windowed):
     reference, got = losses(windowed("one", 1)), losses(windowed(layout, nproc, **settings))
     assert sorted(got) == sorted(reference) == list(range(1, 9))
     assert all(abs(got[step] - reference[step]) < 1e-5 for step in reference), (got, reference)
+
+
+@pytest.mark.slow
+def test_documents_keep_their_window_on_the_ring(tmp_path_factory, short_corpus):
+    """doc_mask with the window: the ring at cp_size 2 (each tile's mask the window's pairs of one
+    document) against one process, rows of 64 holding several short documents."""
+    from conftest import launcher_once
+    run = launcher_once(tmp_path_factory, "window_docs", **WINDOWED, **short_corpus, doc_mask=True, block_size=64)
+    reference, ring = losses(run("one", 1)), losses(run("ring", 2, cp_size=2, cp_mode="ring"))
+    assert sorted(ring) == sorted(reference) == list(range(1, 9))
+    assert all(abs(ring[step] - reference[step]) < 1e-5 for step in reference), (ring, reference)
 
 
 @pytest.mark.slow
