@@ -65,7 +65,8 @@ class Row:
     name: str
     what: str
     args: list[str]
-    vs: str | None = None  # the row its ratio is taken against
+    vs: str | None = None  # the row its ratio is taken against: of tok/s, or with by_mfu of MFU
+    by_mfu: bool = False  # models of other FLOPs a token (a mixture against its dense twin)
     variant: str = ""  # a change the trainer has no key for, made in-process (VARIANTS)
     plain: bool = False  # the reference loop instead of the trainer
     trace: bool = False
@@ -91,7 +92,7 @@ ROWS = [
         GPT2 + ["--doc_mask=true", "--cp_mode=ring"], "gpt2_doc_mask"),
     Row("llama124", "config/llama_124M.yaml (dense), compiled", LLAMA124),
     Row("moe", "llama124 as 8 experts, top 2 (the same active size), compiled: torch._grouped_mm",
-        LLAMA124 + ["--moe_experts=8", "--moe_top_k=2", "--moe_bias_rate=0.001"], "llama124"),
+        LLAMA124 + ["--moe_experts=8", "--moe_top_k=2", "--moe_bias_rate=0.001"], "llama124", by_mfu=True),
     Row("llama1b_ref", "Llama 3.2 1B's shape at 2,048 tokens, plain loop", LLAMA1B, plain=True),
     Row("llama1b", "config/llama_1B.yaml: one process unwrapped, compiled, micro_batch 8 x 1", LLAMA1B,
         "llama1b_ref"),
@@ -310,7 +311,7 @@ def run_row(row: Row, folder: str, extra: list[str], left: float, trace: bool) -
     with open(log) as f:
         text = f.read()
     measured = steady(text, row.plain)
-    result = {"row": row.name, "what": row.what, "vs": row.vs}
+    result = {"row": row.name, "what": row.what, "vs": row.vs, "by_mfu": row.by_mfu}
     if code is None or code or measured is None:
         reason = "timed out" if code is None else failure(text, code) if code else "no steady log lines"
         print(f"   fail: {reason}", flush=True)
@@ -333,9 +334,9 @@ def table(results: list[dict], peak: float | None) -> str:
             lines.append(f"| {r['row']} | {r['what']} |  |  |  | {r['result']} |")
             continue
         mfu = f"{r['tok_s'] * r['flops_per_token'] / peak:.1%}" if peak else "n/a"
-        other = by_name.get(r["vs"], {})  # the ratio of FLOP/s: of tok/s where the models are alike, of MFU where not
-        ratio = (f"{r['tok_s'] * r['flops_per_token'] / (other['tok_s'] * other['flops_per_token']):.3f}x {r['vs']}"
-                 if "tok_s" in other else "")
+        other = by_name.get(r["vs"], {})
+        flops = (r["flops_per_token"], other.get("flops_per_token")) if r.get("by_mfu") else (1, 1)
+        ratio = f"{r['tok_s'] * flops[0] / (other['tok_s'] * flops[1]):.3f}x {r['vs']}" if "tok_s" in other else ""
         lines.append(f"| {r['row']} | {r['what']} | {r['tok_s']:,.0f} | {mfu} | {r['peak_gb']:.1f} | {ratio} |")
     for r in results:
         if "split" in r:

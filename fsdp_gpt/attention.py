@@ -159,19 +159,22 @@ def banded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: 
     def batched(t: torch.Tensor) -> torch.Tensor:  # (B, h, blocks, L, D) -> (B x blocks, h, L, D)
         return t.transpose(1, 2).flatten(0, 1)
 
+    if enable_gqa and q.device.type == "cuda":  # no fused CUDA kernel takes a mask and grouped heads
+        k, v = (t.repeat_interleave(H // k.shape[1], dim=1) for t in (k, v))
+        enable_gqa = False
     kb, vb = cut(k), cut(v)
     # each block's keys: the block before it (block 0: zeros, masked), then its own
     k2, v2 = (torch.cat([F.pad(t, (0, 0, 0, 0, 1, 0))[:, :, :blocks], t], dim=3) for t in (kb, vb))
-    mask = band_mask(blocks, window, q.device).repeat(B, 1, 1, 1)  # (B x blocks, 1, window, 2 window)
+    mask = band_mask(blocks, window, q.device).expand(B, -1, -1, -1, -1).flatten(0, 1)  # (B x blocks, 1, w, 2w)
     out = F.scaled_dot_product_attention(batched(cut(q)), batched(k2), batched(v2), attn_mask=mask,
                                          dropout_p=dropout_p, enable_gqa=enable_gqa, scale=scale)
     return out.unflatten(0, (B, blocks)).transpose(1, 2).flatten(2, 3)[:, :, :T]
 
 
 def varlen_runs(q: torch.Tensor, window: int | None = None) -> bool:
-    """Whether CUDA's flash kernel takes the documents as sequences of their own (varlen): where SDPA
-    would run it (sdpa_takes_gqa), with its head counts as they are, and with a window where this
-    torch's kernel takes one."""
+    """Whether CUDA's flash kernel computes q's sequences (a micro-batch's documents, or its rows
+    under a window) by its variable-length call: where SDPA would run it (sdpa_takes_gqa), with its
+    head counts as they are, and with a window where this torch's kernel takes one."""
     return q.device.type == "cuda" and sdpa_takes_gqa(q) and (window is None or flash_takes_window())
 
 

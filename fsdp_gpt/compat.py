@@ -33,7 +33,8 @@ def autocast_dtype(device: torch.device) -> torch.dtype | None:
 
 def flash_takes_window() -> bool:
     """Whether CUDA's flash kernel (aten._flash_attention_forward) takes a sliding window
-    (window_size_left/right; read from its schema: 2.13 has them)."""
+    (window_size_left/right), read from its schema: 2.13's has them; where one lacks them the window
+    is computed in bands (attention.banded_attention) instead."""
     return "window_size_left" in str(torch.ops.aten._flash_attention_forward.default._schema)
 
 

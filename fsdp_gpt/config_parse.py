@@ -7,7 +7,8 @@ import typing
 
 import yaml
 
-from fsdp_gpt.config import FIELDS, TrainConfig, UserError, validate, validate_run
+from fsdp_gpt.config import FIELDS, TrainConfig, UserError
+from fsdp_gpt.config_checks import validate, validate_run
 
 USAGE = "usage: python train_fsdp.py CONFIG.yaml [--key=value ...]   (or under torchrun)"
 

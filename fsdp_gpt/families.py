@@ -65,10 +65,11 @@ class Family:
 NO_VALUE_EMBEDS = ("value_embeds", lambda cfg: not cfg.value_embeds, "has no value embeddings")
 PLAIN_HEAD = (("logit_softcap", lambda cfg: not cfg.logit_softcap, "has no logit soft cap"), NO_VALUE_EMBEDS)
 # what only Gemma 3's class computes beside these: windows, another attention scale, a second RoPE base
-FULL_ATTENTION = (
+PLAIN_ATTENTION = (
     ("sliding_window", lambda cfg: cfg.sliding_window is None, "attends to every earlier token (no sliding window)"),
     ("attn_scale_dim", lambda cfg: cfg.attn_scale_dim in (None, cfg.head_dim), "scales attention by 1/sqrt(head_dim)"),
     ("rope_local_theta", lambda cfg: cfg.rope_local_theta in (None, cfg.rope_theta), "has one RoPE base"))
+QK_NORMED = ("qk_norm", lambda cfg: cfg.qk_norm, "normalises q and k (qk_norm: true)")  # a class that always does
 # what a resume may change in every family: a window holds no weights
 WINDOW_KEYS = ("sliding_window", "window_pattern")
 
@@ -106,7 +107,7 @@ GPT2 = Family(
              "lm_head.weight": "lm_head.weight"},
     hf_block="transformer.h.{i}.",
     hf_transposed=("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"),
-    hf_zero_biases=True, hf_limits=PLAIN_HEAD + FULL_ATTENTION)
+    hf_zero_biases=True, hf_limits=PLAIN_HEAD + PLAIN_ATTENTION)
 
 
 # ---- Llama, and Qwen3 on its layout ----
@@ -153,7 +154,7 @@ LLAMA = Family(
               "attn.ln_q.weight": "self_attn.q_norm.weight", "attn.ln_k.weight": "self_attn.k_norm.weight",
               "mlp.c_fc.weight": Rows(("mlp.gate_proj.weight", "mlp.up_proj.weight")),  # SwiGLU's gate, then up
               "mlp.c_proj.weight": "mlp.down_proj.weight"},
-    hf_limits=PLAIN_HEAD + FULL_ATTENTION)
+    hf_limits=PLAIN_HEAD + PLAIN_ATTENTION)
 
 QWEN3 = replace(LLAMA, name="Qwen3", when=("qk_norm",), takes=LLAMA.takes | {"qk_norm"}, hf_class="Qwen3ForCausalLM",
                 hf_model_type="qwen3", hf_keys=lambda config: llama_keys(config) | dict(qk_norm=True))
@@ -195,10 +196,10 @@ QWEN3_MOE = replace(
         "mlp.experts.c_proj": "mlp.experts.{e}.down_proj.weight",
         "mlp.expert_bias": Absent("moe_bias_rate trained a selection bias, which Qwen3MoeForCausalLM has no place for, "
                                   "so an export would route otherwise")},
-    hf_limits=(("qk_norm", lambda cfg: cfg.qk_norm, "normalises q and k (qk_norm: true)"),
+    hf_limits=(QK_NORMED,
                ("moe_shared", lambda cfg: cfg.moe_shared == 0, "has no shared experts"),
                ("moe_score", lambda cfg: cfg.moe_score == "softmax", "scores experts by softmax")) + PLAIN_HEAD
-    + FULL_ATTENTION)
+    + PLAIN_ATTENTION)
 
 
 # ---- Gemma 3: Llama's names, four (1 + weight) norms a block, scaled embeddings, GeGLU, q and k
@@ -283,7 +284,7 @@ GEMMA3 = Family(
     hf_names=LLAMA.hf_names | {"ln_2.weight": "pre_feedforward_layernorm.weight",
                                "ln_attn_out.weight": "post_attention_layernorm.weight",
                                "ln_mlp_out.weight": "post_feedforward_layernorm.weight"},
-    hf_limits=(("qk_norm", lambda cfg: cfg.qk_norm, "normalises q and k (qk_norm: true)"),
+    hf_limits=(QK_NORMED,
                ("window_pattern", lambda cfg: sliding_window_pattern(cfg) is not None,
                 "reads N - 1 local layers then a global one, repeated (transformers 4.5x's sliding_window_pattern)"),
                ("n_head", lambda cfg: cfg.n_embd % cfg.n_head == 0, "needs n_embd a multiple of n_head (transformers 5)"),

@@ -12,7 +12,8 @@ import re
 
 import torch
 
-from fsdp_gpt.config import UserError, check_rope_scaling, validate_model
+from fsdp_gpt.config import UserError
+from fsdp_gpt.config_checks import check_rope_scaling, validate_model
 from fsdp_gpt.families import FAMILIES, Absent, Family, Rows
 from fsdp_gpt.files import read_json
 from fsdp_gpt.model import GPT, GPTConfig

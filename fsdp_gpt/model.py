@@ -329,8 +329,10 @@ class GPT(nn.Module):
         """Training FLOPs per token: forward + backward = 3x the forward's matmuls.
 
         Forward: 2 FLOPs per weight of every Linear (LM head included) and of each token's top-k
-        experts, plus the attention products QK^T and AV, 2 * 2 * T * n_embd per layer at full context
-        (a local layer's window instead of T).
+        experts, plus the attention products QK^T and AV, 2 * 2 * T * n_embd per layer at full context:
+        T keys a query, the convention of PaLM's MFU and nanoGPT's (twice a causal layer's real work);
+        a local layer counts its window instead of T (about its real work), so a windowed model's MFU
+        reads low against a full one's at the same speed.
         """
         cfg = self.config
         matmul_weights = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))

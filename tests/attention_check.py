@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from fsdp_gpt.distributed.ring_attention import KERNELS, RingAttention, _fold, _merge, _repeat  # noqa: E402
+from fsdp_gpt.distributed.ring_attention import KERNELS, RingAttention  # noqa: E402
+from fsdp_gpt.distributed.window_ring import fold_heads, merge, repeat_heads  # noqa: E402
 from fsdp_gpt.attention import (Documents, VarlenAttention, causal_attention, grouped_document_attention,  # noqa: E402
                                  varlen_forward, varlen_runs)
 
@@ -55,22 +56,22 @@ def merged_blocks(q, k, v, dout) -> list[torch.Tensor]:
     lse = torch.empty(mine.shape[:-1], dtype=torch.float32, device=q.device)
     auxes = []
     for i, (keys, causal) in enumerate(blocks):
-        block_out, block_lse, aux = run(mine, _repeat(k[:, :, keys], groups), _repeat(v[:, :, keys], groups), causal,
+        block_out, block_lse, aux = run(mine, repeat_heads(k[:, :, keys], groups), repeat_heads(v[:, :, keys], groups), causal,
                                         None)
         auxes.append(aux)
         if i == 0:
             out.copy_(block_out)
             lse.copy_(block_lse)
         else:
-            _merge(out, lse, block_out, block_lse)
+            merge(out, lse, block_out, block_lse)
     out = out.to(q.dtype)
     dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=q.device) for t in (q, k, v))
     for (keys, causal), aux in zip(blocks, auxes):
-        grads = run_backward(dout[:, :, half:], mine, _repeat(k[:, :, keys], groups), _repeat(v[:, :, keys], groups),
+        grads = run_backward(dout[:, :, half:], mine, repeat_heads(k[:, :, keys], groups), repeat_heads(v[:, :, keys], groups),
                              out, lse, aux, causal, None)
         dq[:, :, half:] += grads[0]
-        dk[:, :, keys] += _fold(grads[1], groups)
-        dv[:, :, keys] += _fold(grads[2], groups)
+        dk[:, :, keys] += fold_heads(grads[1], groups)
+        dv[:, :, keys] += fold_heads(grads[2], groups)
     return [torch.cat([torch.zeros_like(out), out], dim=2).float(), dq, dk, dv]
 
 

@@ -21,7 +21,7 @@ LAYER_OF = {group: i for i, groups in enumerate(LAYERS) for group in groups}
 
 
 # modules at the package's top that belong to another's group
-GROUP_OF = {"config_help": "config", "config_parse": "config", "moe": "model", "attention": "model", "loss": "model",
+GROUP_OF = {"config_help": "config", "config_parse": "config", "config_checks": "config", "moe": "model", "attention": "model", "loss": "model",
             "model_keys": "families", "safetensors_file": "hf_format"}
 
 

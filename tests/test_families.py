@@ -6,7 +6,8 @@ import re
 import pytest
 import torch
 
-from fsdp_gpt.config import TrainConfig, UserError, validate
+from fsdp_gpt.config import TrainConfig, UserError
+from fsdp_gpt.config_checks import validate
 from fsdp_gpt.hf_format import fused_like, hf_config, read_hf_folder, their_weight, to_hf
 from fsdp_gpt.model import ACTIVATIONS, GPT, NORMS, GPTConfig
 

@@ -104,7 +104,8 @@ def test_init_from_refuses_a_folder_of_another_shape(corpus, tmp_path):
 def test_checkpoints_written_before_arch_existed_still_load():
     """Their model_config has only GPT-2's keys: the missing ones read as the GPT-2 layout."""
     from fsdp_gpt.checkpoint.ckpt_format import check_model_shape
-    from fsdp_gpt.config import TrainConfig, UserError, validate
+    from fsdp_gpt.config import TrainConfig, UserError
+    from fsdp_gpt.config_checks import validate
 
     old = dict(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=64, bias=True, dropout=0.0)
     gpt2 = TrainConfig(**{k: v for k, v in old.items()})

@@ -73,6 +73,27 @@ def test_documents_keep_their_window_inside(window):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 
+def test_the_rings_window_tiles_compute_in_fp32_under_autocast():
+    """The windowed ring's kernel (one rank) is fp32 matmuls whatever autocast says: under CPU
+    autocast to bf16 its output and gradients are fp32 attention's, several tiles a row (tiles of 5
+    queries); before, autocast ran them in bf16 (0.15 off) and the backward in fp32 against the
+    forward's bf16 log-sum-exp."""
+    import numpy as np
+
+    from fsdp_gpt.distributed.ring_attention import RingAttention
+    from fsdp_gpt.distributed.window_ring import WindowPlan
+    T, window = 37, 8
+    tensors = [t.detach().float().requires_grad_() for t in qkv(T, seed=2)]
+    dout = torch.randn(B, H, T, D)
+    ring = RingAttention(None, 0, [torch.arange(T)])
+    ring._windows[window] = WindowPlan(0, [np.arange(T)], window, tile=5)  # 8 tiles a row
+    with torch.autocast("cpu", torch.bfloat16):
+        ours = with_grads(lambda q, k, v: ring(q, k, v, 0.0, True, None, window), tensors, dout)
+    truth = with_grads(lambda q, k, v: dense(q, k, v, window_mask(T, window)), tensors, dout)
+    for a, b in zip(ours, truth):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 def test_the_band_grows_with_the_row_not_its_square():
     """The band's scores: 2 x window for each query (the mask's size), whatever the row; of them it
     keeps exactly the pairs the window holds."""

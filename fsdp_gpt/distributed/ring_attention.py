@@ -23,6 +23,9 @@ block's exact share of dq and its exact dk, dv; those travel with their block an
 after cp passes. A recomputed forward (activation checkpointing) repeats the first bitwise: the same
 kernels on the same blocks in the same order.
 
+A sliding window shorter than the row (sliding_window) takes window_ring.py instead: a rank there
+exchanges only the columns a window reaches, not the whole ring's blocks.
+
 Kernels: the fused flash kernels' own forward, which returns the log-sum-exp, and backward, which
 takes it: the CPU's (fp32, bf16) and CUDA's flash (bf16, fp16; sm80 and later). Grouped-query
 attention: the ring carries key/value heads only, repeated for the kernel where they are used.
@@ -30,10 +33,9 @@ attention: the ring carries key/value heads only, repeated for the kernel where 
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from fsdp_gpt.attention import DocumentBuckets, Documents, by_position, varlen_backward, varlen_forward, varlen_runs
-from fsdp_gpt.distributed.window_ring import WindowPlan, WindowRing
+from fsdp_gpt.distributed.window_ring import WindowPlan, WindowRing, fold_heads, merge, repeat_heads
 
 aten = torch.ops.aten
 
@@ -96,22 +98,13 @@ def _by_document(ids_q: np.ndarray, ids_k: np.ndarray) -> list[tuple[int, int, i
     return [tuple(map(int, rect)) for rect in zip(*bounds)]
 
 
-def _repeat(t: torch.Tensor, groups: int) -> torch.Tensor:
-    return t.repeat_interleave(groups, dim=1) if groups > 1 else t
-
-
-def _fold(t: torch.Tensor, groups: int) -> torch.Tensor:
-    """A gradient with respect to repeated key/value heads, summed back onto each key/value head."""
-    return t.unflatten(1, (-1, groups)).sum(2) if groups > 1 else t
-
-
 def _own_documents(run, q, k, v, groups: int, buckets: DocumentBuckets, scale: float | None):
     """Step 0 under doc_mask: causal attention within each document of the rank's own tokens, a
     kernel call per group of like length. Output and log-sum-exp like q's, and each call's aux."""
     q_, k_, v_ = (by_position(t) for t in (q, k, v))
     outs, lses, auxes = [], [], []
     for gather in buckets.gathers:
-        out, lse, aux = run(q_[gather].transpose(1, 2), *(_repeat(t[gather].transpose(1, 2), groups) for t in (k_, v_)),
+        out, lse, aux = run(q_[gather].transpose(1, 2), *(repeat_heads(t[gather].transpose(1, 2), groups) for t in (k_, v_)),
                             True, scale)
         outs.append(by_position(out))
         lses.append(by_position(lse))
@@ -127,10 +120,10 @@ def _own_documents_backward(run_backward, dout, q, k, v, out, lse, groups: int, 
     grads = [], [], []
     for gather, real, aux in zip(buckets.gathers, buckets.reals, auxes):
         block = run_backward((dout_[gather] * real[..., None, None]).transpose(1, 2), q_[gather].transpose(1, 2),
-                             *(_repeat(t[gather].transpose(1, 2), groups) for t in (k_, v_)),
+                             *(repeat_heads(t[gather].transpose(1, 2), groups) for t in (k_, v_)),
                              out_[gather].transpose(1, 2), lse_[gather].transpose(1, 2), aux, True, scale)
         for kept, grad, fold in zip(grads, block, (1, groups, groups)):
-            kept.append(by_position(_fold(grad, fold)))
+            kept.append(by_position(fold_heads(grad, fold)))
     return [buckets.regroup(kept, q.shape[0]) for kept in grads]
 
 
@@ -148,13 +141,6 @@ def _own_backward(run_backward, dout, q, k, v, out, lse, groups: int, own: Docum
     return _own_documents_backward(run_backward, dout, q, k, v, out, lse, groups, own.buckets(q.device), aux, scale)
 
 
-def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
-    """out, lse (views of the running fp32 result, updated in place) merged with a block's, in the
-    sigmoid form: stable wherever the two log-sum-exps lie (no exp of a difference)."""
-    out.sub_(torch.sigmoid(block_lse - lse).unsqueeze(-1) * (out - block_out.float()))
-    lse.sub_(F.logsigmoid(lse - block_lse))
-
-
 class RingAttention:
     """The attention core of a rank of a context group in ring mode (attention.causal_attention's
     signature), one object for every layer. positions: each rank's columns' positions in the row."""
@@ -162,6 +148,7 @@ class RingAttention:
     def __init__(self, group, cp_rank: int, positions: list[torch.Tensor]):
         self.group, self.rank, self.cp = group, cp_rank, len(positions)
         self.positions = [p.numpy() for p in positions]
+        self.row = sum(map(len, self.positions))  # a whole row's tokens
         if self.cp > 1:
             self.next, self.prev = (dist.get_global_rank(group, (cp_rank + shift) % self.cp) for shift in (1, -1))
         self._plan = (None, None)  # (docs, plan) of the latest forward: every layer's
@@ -222,8 +209,8 @@ class RingAttention:
     @torch.compiler.disable  # host loops and point-to-point sends: eager inside a compiled block
     def __call__(self, q, k, v, dropout_p: float, enable_gqa: bool, docs: Documents | None = None,
                  window: int | None = None, scale: float | None = None) -> torch.Tensor:
-        assert dropout_p == 0.0, "config.validate refuses dropout with cp_mode: ring"
-        if window is not None and window < sum(map(len, self.positions)):  # shorter than a row: window_ring.py
+        assert dropout_p == 0.0, "config_checks.validate refuses dropout with cp_mode: ring"
+        if window is not None and window < self.row:  # shorter than a row: window_ring.py
             plan, masks = self.window_plan(window, docs, q.device)
             return WindowRing.apply(q, k, v, self, plan, masks, q.shape[-1] ** -0.5 if scale is None else scale)
         return _Ring.apply(q, k, v, self, *self.plan(docs), scale)
@@ -245,14 +232,14 @@ class _Ring(torch.autograd.Function):
                 lse.copy_(own_lse)
                 auxes.append(own_auxes)
             for rows, q0, q1, k0, k1 in rects:
-                block_out, block_lse, aux = run(q[rows, :, q0:q1], *(_repeat(t, groups) for t in kv[:, rows, :, k0:k1]),
+                block_out, block_lse, aux = run(q[rows, :, q0:q1], *(repeat_heads(t, groups) for t in kv[:, rows, :, k0:k1]),
                                                 causal, scale)
                 auxes.append(aux)
                 if step == 0:  # every query attends to itself at step 0: the first result of each
                     out[rows, :, q0:q1] = block_out
                     lse[rows, :, q0:q1] = block_lse
                 else:
-                    _merge(out[rows, :, q0:q1], lse[rows, :, q0:q1], block_out, block_lse)
+                    merge(out[rows, :, q0:q1], lse[rows, :, q0:q1], block_out.float(), block_lse)
             if incoming is not None:
                 kv = incoming()
         out = out.to(q.dtype)
@@ -279,11 +266,11 @@ class _Ring(torch.autograd.Function):
             for rows, q0, q1, k0, k1 in rects:
                 local = (rows, slice(None), slice(q0, q1))
                 dq_block, dk_block, dv_block = run_backward(
-                    dout[local], q[local], *(_repeat(t, groups) for t in kv[:, rows, :, k0:k1]), out[local], lse[local],
+                    dout[local], q[local], *(repeat_heads(t, groups) for t in kv[:, rows, :, k0:k1]), out[local], lse[local],
                     next(auxes), causal, ctx.scale)
                 dq[local] += dq_block
-                dkv[0, rows, :, k0:k1] += _fold(dk_block, groups)
-                dkv[1, rows, :, k0:k1] += _fold(dv_block, groups)
+                dkv[0, rows, :, k0:k1] += fold_heads(dk_block, groups)
+                dkv[1, rows, :, k0:k1] += fold_heads(dv_block, groups)
             if ring.cp > 1:  # the block's gradient goes on with it; after cp passes it is home
                 dkv = ring.pass_on(dkv)()
             if incoming is not None:

@@ -6,12 +6,13 @@ neighbour), receives the columns it needs the same way, and computes locally; ba
 received block's gradient back to its owner. Both exchanges are one round of point-to-point
 sends, whatever cp_size.
 
-The work is cut into tiles of at most `window` queries of one contiguous run of the rank's columns,
-each against the keys within its reach (at most 2 x window of them): linear in the row. A tile's
-mask says which of its pairs the window holds (and, under doc_mask, which share a document). The
-kernel is attention written out in fp32 matmuls (the output and its log-sum-exp; the backward given
-the merged ones, as the ring's flash kernels are used): no kernel takes an arbitrary mask and returns
-the log-sum-exp on every device, and the same code runs on the CPU and CUDA.
+The work is cut into tiles of a few hundred queries of one contiguous run of the rank's columns,
+each against the keys within its reach (at most a tile and a window of them): linear in the row. A
+tile's mask says which of its pairs the window holds (and, under doc_mask, which share a document).
+The kernel is attention written out in fp32 matmuls (TF32 on GPUs; autocast off inside it): the
+output and its log-sum-exp, and the backward given the merged ones, as the ring's flash kernels are
+used. No kernel takes an arbitrary mask and returns the log-sum-exp on every device; this code runs
+alike on the CPU and CUDA.
 """
 import numpy as np
 import torch
@@ -35,29 +36,35 @@ def runs(positions: np.ndarray) -> list[tuple[int, int]]:
     return list(zip(bounds, bounds[1:]))
 
 
+TILE = (256, 512)  # queries a tile: at least the first (few launches for small windows), at most the second (memory)
+
+
 def masked_forward(q, k, v, mask, scale: float):
     """Attention of q (B, H, Lq, D) over k, v (B, H, Lk, D) where mask (B or 1, 1, Lq, Lk) holds, in
-    fp32: the output and its log-sum-exp (-inf, and an output of zeros, where a query has no key)."""
-    scores = (q.float() @ k.float().transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
-    lse = scores.logsumexp(-1)
-    probs = (scores - lse.nan_to_num(neginf=0.0).unsqueeze(-1)).exp()  # masked: exp(-inf) = 0
-    return probs @ v.float(), lse
+    fp32 whatever autocast says: the output and its log-sum-exp (-inf, and an output of zeros, where
+    a query has no key)."""
+    with torch.autocast(q.device.type, enabled=False):
+        scores = (q.float() @ k.float().transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
+        lse = scores.logsumexp(-1)
+        probs = (scores - lse.nan_to_num(neginf=0.0).unsqueeze(-1)).exp()  # masked: exp(-inf) = 0
+        return probs @ v.float(), lse
 
 
 def masked_backward(dout, q, k, v, out, lse, mask, scale: float):
     """dq, dk, dv (fp32) of masked_forward's attention, given the final output and log-sum-exp of
     every query (merged over all its keys): each tile's exact share."""
-    scores = (q.float() @ k.float().transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
-    probs = (scores - lse.unsqueeze(-1)).exp()
-    dout = dout.float()
-    dprobs = dout @ v.float().transpose(-1, -2)
-    dscores = probs * (dprobs - (dout * out.float()).sum(-1, keepdim=True)) * scale
-    return dscores @ k.float(), dscores.transpose(-1, -2) @ q.float(), probs.transpose(-1, -2) @ dout
+    with torch.autocast(q.device.type, enabled=False):
+        scores = (q.float() @ k.float().transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
+        probs = (scores - lse.unsqueeze(-1)).exp()
+        dout = dout.float()
+        dprobs = dout @ v.float().transpose(-1, -2)
+        dscores = probs * (dprobs - (dout * out.float()).sum(-1, keepdim=True)) * scale
+        return dscores @ k.float(), dscores.transpose(-1, -2) @ q.float(), probs.transpose(-1, -2) @ dout
 
 
 def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
-    """out, lse (views of the running fp32 result, from zeros and -inf) merged with a tile's, in place;
-    a query without keys in either keeps its zeros."""
+    """out, lse (views of the running fp32 result, from zeros and -inf) merged with a block's, in
+    place, by the two log-sum-exps; a query without keys in either keeps its zeros."""
     total = torch.logaddexp(lse, block_lse)
     seen = total > float("-inf")
     total_ = torch.where(seen, total, 0.0).unsqueeze(-1)
@@ -69,10 +76,11 @@ def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_l
 class WindowPlan:
     """What a rank of a context group computes and exchanges for one window: the columns of its
     keys each other rank needs, the columns it receives, and its tiles. positions: each rank's
-    columns' positions in the row (sorted)."""
+    columns' positions in the row (sorted); tile: queries a tile (default: the window, within TILE)."""
 
-    def __init__(self, rank: int, positions: list[np.ndarray], window: int):
+    def __init__(self, rank: int, positions: list[np.ndarray], window: int, tile: int | None = None):
         self.rank, self.window = rank, window
+        tile = tile or min(max(window, TILE[0]), TILE[1])
         mine = positions[rank]
         # source -> the (first, end) range of its columns my queries reach; rank -> the range of mine it needs
         self.needs = {source: self._span(reach(mine, theirs, window)) for source, theirs in enumerate(positions)}
@@ -82,8 +90,8 @@ class WindowPlan:
         self.gives = {other: span for other, span in self.gives.items() if span}
         self.tiles = []  # (q0, q1, source, k0, k1): k0, k1 within the columns received from the source
         for first, end in runs(mine):
-            for q0 in range(first, end, window):
-                q1 = min(q0 + window, end)
+            for q0 in range(first, end, tile):
+                q1 = min(q0 + tile, end)
                 for source, (lo, hi) in self.needs.items():
                     keys = positions[source][lo:hi]
                     k0 = int(np.searchsorted(keys, mine[q0] - window + 1, "left"))
@@ -91,6 +99,11 @@ class WindowPlan:
                     if k0 < k1:
                         self.tiles.append((q0, q1, source, k0, k1))
         self.positions = positions
+
+    @staticmethod
+    def block_shape(kv_shape, span: tuple[int, int]) -> tuple:
+        """The shape of the (k, v) columns `span` of a rank's stacked k and v."""
+        return (*kv_shape[:3], span[1] - span[0], kv_shape[-1])
 
     @staticmethod
     def _span(indices: np.ndarray) -> tuple[int, int] | None:
@@ -122,11 +135,13 @@ def exchange(ring, blocks: dict[int, torch.Tensor], expect: dict[int, tuple], li
     return received
 
 
-def _repeat(t: torch.Tensor, groups: int) -> torch.Tensor:
+def repeat_heads(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """Key/value heads repeated for the query heads each serves (grouped-query attention)."""
     return t.repeat_interleave(groups, dim=1) if groups > 1 else t
 
 
-def _fold(t: torch.Tensor, groups: int) -> torch.Tensor:
+def fold_heads(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """A gradient with respect to repeated key/value heads, summed back onto each key/value head."""
     return t.unflatten(1, (-1, groups)).sum(2) if groups > 1 else t
 
 
@@ -136,15 +151,15 @@ class WindowRing(torch.autograd.Function):
         groups, rank = q.shape[1] // k.shape[1], plan.rank
         kv = torch.stack((k, v))
         others = {source: kv[:, :, :, lo:hi] for source, (lo, hi) in plan.gives.items()}
-        shape = lambda span: (*kv.shape[:3], span[1] - span[0], kv.shape[-1])  # noqa: E731
-        blocks = exchange(ring, others, {s: shape(span) for s, span in plan.needs.items() if s != rank}, kv)
+        blocks = exchange(ring, others, {s: plan.block_shape(kv.shape, span) for s, span in plan.needs.items()
+                                         if s != rank}, kv)
         if rank in plan.needs:
             lo, hi = plan.needs[rank]
             blocks[rank] = kv[:, :, :, lo:hi]
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), device=q.device)
         for (q0, q1, source, k0, k1), mask in zip(plan.tiles, masks):
-            keys, values = (_repeat(t[:, :, k0:k1], groups) for t in blocks[source])
+            keys, values = (repeat_heads(t[:, :, k0:k1], groups) for t in blocks[source])
             merge(out[:, :, q0:q1], lse[:, :, q0:q1], *masked_forward(q[:, :, q0:q1], keys, values, mask, scale))
         out = out.to(q.dtype)
         ctx.save_for_backward(q, out, lse, *[t for block in blocks.values() for t in block])
@@ -160,15 +175,14 @@ class WindowRing(torch.autograd.Function):
         dblocks = {source: torch.zeros(block.shape, dtype=torch.float32, device=q.device) for source, block in blocks.items()}
         for (q0, q1, source, k0, k1), mask in zip(plan.tiles, ctx.masks):
             local = (slice(None), slice(None), slice(q0, q1))
-            keys, values = (_repeat(t[:, :, k0:k1], groups) for t in blocks[source])
+            keys, values = (repeat_heads(t[:, :, k0:k1], groups) for t in blocks[source])
             dq_tile, dk, dv = masked_backward(dout[local], q[local], keys, values, out[local], lse[local], mask, ctx.scale)
             dq[local] += dq_tile
-            dblocks[source][0, :, :, k0:k1] += _fold(dk, groups)
-            dblocks[source][1, :, :, k0:k1] += _fold(dv, groups)
+            dblocks[source][0, :, :, k0:k1] += fold_heads(dk, groups)
+            dblocks[source][1, :, :, k0:k1] += fold_heads(dv, groups)
         # each received block's gradient home to its owner; the gradients of my columns from the others
-        shape = lambda span: (*ctx.kv_shape[:3], span[1] - span[0], ctx.kv_shape[-1])  # noqa: E731
         back = exchange(ctx.ring, {s: g for s, g in dblocks.items() if s != plan.rank},
-                        {other: shape(span) for other, span in plan.gives.items()}, dq)
+                        {other: plan.block_shape(ctx.kv_shape, span) for other, span in plan.gives.items()}, dq)
         dkv = torch.zeros(ctx.kv_shape, dtype=torch.float32, device=q.device)
         if plan.rank in dblocks:
             lo, hi = plan.needs[plan.rank]
