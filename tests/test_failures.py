@@ -130,7 +130,9 @@ def test_a_holder_on_another_host_is_judged_by_its_renewals(tmp_path):
 @pytest.mark.slow
 def test_a_second_run_into_a_held_folder_is_refused_before_it_reads_anything(corpus, tmp_path):
     (tmp_path / "ckpt").mkdir()
-    holder = run_lock.RunLock(str(tmp_path / "ckpt"))
+    # renewed every half second: the trainer refuses once it sees a renewal (a holder at the default
+    # RENEW_EVERY=10 s is refused the same way, 10 s later)
+    holder = run_lock.RunLock(str(tmp_path / "ckpt"), renew_every=0.5)
     holder.acquire()
     result = run_trainer(str(tmp_path), check=False, resume_from="latest", **corpus)
     holder.release()
