@@ -128,24 +128,25 @@ def plain_loop(compile: bool, width: int, interval: int = PLAIN_INTERVAL, steps:
             mark = now
 
 
-def bench_plain(rounds: int, compile: bool, widths: list[int], workdir: str) -> None:
+def bench_against(label: str, other_rate, rounds: int, widths: list[int], workdir: str, compile: bool = False) -> None:
+    """The trainer against another loop (other_rate(width) -> its tok/s), in alternating runs."""
     for width in widths:
-        trainer, plain = [], []
+        trainer, other = [], []
         for round_ in range(rounds):  # alternate: drifts of a shared machine hit both sides alike
-            t, p = in_turn(lambda: trainer_rate(1, workdir, compile=compile, width=width, interval=PLAIN_INTERVAL,
-                                                steps=PLAIN_STEPS), lambda: plain_rate(workdir, compile, width), round_)
+            t, o = in_turn(lambda: trainer_rate(1, workdir, compile=compile, width=width, interval=PLAIN_INTERVAL,
+                                                steps=PLAIN_STEPS), lambda: other_rate(width), round_)
             trainer.append(t)
-            plain.append(p)
-            print(f"  {width} wide: trainer {trainer[-1]:,.0f} tok/s, plain loop {plain[-1]:,.0f} tok/s", flush=True)
-        t, p = max(trainer), max(plain)
+            other.append(o)
+            print(f"  {width} wide: trainer {t:,.0f} tok/s, {label} {o:,.0f} tok/s", flush=True)
+        t, o = max(trainer), max(other)
         tokens = BATCH * shape()["block_size"]  # a step's
-        # pair by pair: each trainer run against the plain run beside it, which the machine's drift
+        # pair by pair: each trainer run against the other run beside it, which the machine's drift
         # (15% over minutes here) hits alike; one lucky run moves neither this nor the medians
-        pairs = statistics.median(a / b for a, b in zip(trainer, plain))
-        print(f"{width} wide, compile={compile}: best of {rounds} alternating runs: trainer {t:,.0f} tok/s, plain "
-              f"loop {p:,.0f} tok/s, ratio {t / p:.3f}; medians: ratio "
-              f"{statistics.median(trainer) / statistics.median(plain):.3f}; median of the pairs' ratios {pairs:.3f}; "
-              f"the trainer's own cost {1e3 * (tokens / t - tokens / p):.2f} ms a step (best of each)", flush=True)
+        pairs = statistics.median(a / b for a, b in zip(trainer, other))
+        print(f"{width} wide, compile={compile}: best of {rounds} alternating runs: trainer {t:,.0f} tok/s, {label} "
+              f"{o:,.0f} tok/s, ratio {t / o:.3f}; medians: ratio "
+              f"{statistics.median(trainer) / statistics.median(other):.3f}; median of the pairs' ratios {pairs:.3f}; "
+              f"the trainer's own cost {1e3 * (tokens / t - tokens / o):.2f} ms a step (best of each)", flush=True)
 
 
 def nanogpt_rate(checkout: str, workdir: str, width: int, iters: int = PLAIN_INTERVAL + PLAIN_STEPS) -> float:
@@ -176,15 +177,7 @@ def nanogpt_rate(checkout: str, workdir: str, width: int, iters: int = PLAIN_INT
 def bench_nanogpt(rounds: int, widths: list[int], checkout: str, workdir: str) -> None:
     if not os.path.exists(os.path.join(checkout, "train.py")):
         sys.exit(f"error: no nanoGPT train.py in {checkout} (git clone https://github.com/karpathy/nanoGPT)")
-    for width in widths:
-        pairs = []
-        for round_ in range(rounds):
-            t, n = in_turn(lambda: trainer_rate(1, workdir, width=width, interval=PLAIN_INTERVAL, steps=PLAIN_STEPS),
-                           lambda: nanogpt_rate(checkout, workdir, width), round_)
-            pairs.append((t, n))
-            print(f"  {width} wide: trainer {t:,.0f} tok/s, nanoGPT {n:,.0f} tok/s", flush=True)
-        print(f"{width} wide: trainer / nanoGPT, median of the pairs' ratios {statistics.median(t / n for t, n in pairs):.3f}, "
-              f"best {max(t for t, _ in pairs) / max(n for _, n in pairs):.3f}", flush=True)
+    bench_against("nanoGPT", lambda width: nanogpt_rate(checkout, workdir, width), rounds, widths, workdir)
 
 
 def bench_scaling(rounds: int, workdir: str) -> None:
@@ -300,7 +293,8 @@ def main() -> None:
     print(f"{time.strftime('%Y-%m-%d')}, torch {torch.__version__}, {os.cpu_count()} CPU cores, "
           f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU'}")
     if args.what == "plain":
-        bench_plain(args.rounds, args.compile, args.widths, workdir)
+        bench_against("plain loop", lambda width: plain_rate(workdir, args.compile, width), args.rounds, args.widths,
+                      workdir, args.compile)
     elif args.what == "scaling":
         bench_scaling(args.rounds, workdir)
     elif args.what == "muon":

@@ -150,7 +150,7 @@ class RingAttention:
         self.positions = [p.numpy() for p in positions]
         self.row = sum(map(len, self.positions))  # a whole row's tokens
         if self.cp > 1:
-            self.next, self.prev = (dist.get_global_rank(group, (cp_rank + shift) % self.cp) for shift in (1, -1))
+            self.next, self.prev = (self.global_rank((cp_rank + shift) % self.cp) for shift in (1, -1))
         self._plan = (None, None)  # (docs, plan) of the latest forward: every layer's
         self._windows, self._masks = {}, (None, {})  # window -> WindowPlan; (docs, {window: masks}) of the latest
 
