@@ -2,7 +2,7 @@
 python train_fsdp.py --help lists every config key with its type, default and meaning.
 
 Order of work: config -> process group and mesh -> data -> model on the meta device -> FP8 linears ->
-activation checkpointing -> compile -> fully_shard per DecoderBlock, then the root ->
+activation checkpointing -> compile -> fully_shard per unit of blocks, then the root ->
 weights initialised on rank 0 and broadcast into the shards -> optimizer -> resume -> loop.
 Each concern lives in the package (docs/architecture.md has the map); this file is the order.
 """
@@ -138,7 +138,7 @@ def train(cfg) -> int:
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     guard = NonFiniteGuard(device, cfg.max_skipped_steps)
     compute = forward_context(cfg, topo)
-    set_micro_step = micro_steps(cfg)
+    set_micro_step = micro_steps(cfg, model)
     if step == 0:
         watchdog.arm("the eval at step 0")
         log.val(0, *evaluate(model, gpt, loader, cfg, tokenizer, mc_sets, compute))

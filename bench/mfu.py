@@ -14,7 +14,7 @@ a line every 20; the first line holds start-up and compilation, tok/s is over th
 The bench's trainer runs skip the val loss at step 0 and the checkpoint after the last step: both
 lie outside the timed steps, and on a lent GPU their seconds (a recompile for no_grad, a 15 GB
 sharded save at 1B) are better spent on rows. MFU: tok/s x
-GPT.flops_per_token() / the GPU's dense bf16 peak (fsdp_gpt/observe/peak_flops.py), as the console
+GPT.flops_per_token() / the GPU's dense bf16 peak (fsdp_gpt/distributed/peak_flops.py), as the console
 shows it. A row with `trace` (or named in --trace) also records two steps after the timed ones with
 torch.profiler and splits their GPU time (matmuls, attention, loss, optimizer, FSDP copies and
 collectives, other, idle); the trace is kept gzipped as {out}/{row}.trace.json.gz. The rows share --budget seconds; a row that no longer fits is shown as not run. Extra
@@ -363,7 +363,7 @@ def main() -> int:
         sys.exit(f"error: no rows named {', '.join(sorted(unknown))} (--list)")
     chosen = ROWS if args.rows == "all" else [named[name] for name in args.rows.split(",")]  # in the order named
     import torch
-    from fsdp_gpt.observe.peak_flops import gpu_peak_flops
+    from fsdp_gpt.distributed.peak_flops import gpu_peak_flops
     peak = gpu_peak_flops(torch.device("cuda"), torch.bfloat16) if torch.cuda.is_available() else None
     torchao = carried_torchao() if any("--fp8" in " ".join(row.args) for row in chosen) else ""
     print(machine(), torchao, flush=True)

@@ -8,6 +8,7 @@
     python bench/speed.py muon_step                       # Muon's optimizer step alone: its share of a step
     python bench/speed.py fsdp [--rounds 3]               # 2 ranks: explicit prefetch, reduce_dtype bf16 vs fp32
     python bench/speed.py nanogpt --nanogpt PATH          # trainer vs nanoGPT's train.py (a checkout of it at PATH)
+    python bench/speed.py fixed_cost [--rounds 3]         # FSDP2's fixed cost: 12 tiny blocks, 1 and 2 ranks
 
 The model: 4 layers, 256 wide (plain: 128 and 256, or --widths), block 128, batch 16, fp32,
 byte tokens (the demo's data).
@@ -248,6 +249,88 @@ def bench_fsdp(rounds: int, workdir: str) -> None:
               flush=True)
 
 
+# fixed_cost's model: 12 blocks too small for their compute to matter (a step is host work), a
+# micro-batch of one 32-token row, 2 micro-steps a rank; 200 steps, tok/s the median of the last 5 of
+# 10 log lines. Each launch's rows: its baseline (unwrapped, or DDP), then FSDP2 as the trainer lays it
+# out (fsdp_blocks_per_unit: auto) under FULL_SHARD and SHARD_GRAD_OP, and FULL_SHARD a unit a block
+# (round seven's layout), whose difference from auto is what the units themselves cost.
+FIXED_COST_MODEL = dict(n_layer=12, n_head=2, n_embd=32, block_size=32, micro_batch=1)
+FIXED_COST_ROWS = {  # name: config keys beside the launch's own
+    "baseline": {}, "FULL_SHARD": dict(sharding_strategy="FULL_SHARD"),
+    "SHARD_GRAD_OP": dict(sharding_strategy="SHARD_GRAD_OP"),
+    "FULL_SHARD, a unit a block": dict(sharding_strategy="FULL_SHARD", fsdp_blocks_per_unit=1)}
+
+
+def fixed_cost_rate(nproc: int, workdir: str, row: str) -> float:
+    fsdp = dict(fsdp=True, force_fsdp=nproc == 1) if row != "baseline" else dict(fsdp=False)  # 1 rank: unwrapped
+    settings = FIXED_COST_MODEL | dict(train_batch=2 * nproc, max_iters=200, log_interval=20) | fsdp
+    out = run([sys.executable] + ([] if nproc == 1 else ["-m", "torch.distributed.run", "--standalone",
+                                                          f"--nproc_per_node={nproc}"]) +
+              [os.path.join(ROOT, "train_fsdp.py"), DEMO] + [f"--{k}={v}" for k, v in (
+                  settings | FIXED_COST_ROWS[row] | dict(
+                      dtype="fp32", compile=False, eval_interval=10 ** 6, eval_iters=1, save_interval=10 ** 6,
+                      sample_tokens=0, checkpoint_dir="ckpt", tensorboard_dir="tb", data_path=demo_data())).items()],
+              nproc, workdir)
+    return statistics.median(float(r.replace(",", "")) for r in re.findall(r"\| ([\d,]+) tok/s", out)[-5:])
+
+
+def gloo_latency(workdir: str) -> None:
+    """What one gloo collective costs at 2 ranks on this machine (the floor under FSDP2's per unit):
+    an all-gather and a reduce-scatter of fixed_cost's model (its 162K fp32 parameters, half a rank),
+    an all-reduce of one number (the loss's, the norm's); medians of 200."""
+    print(run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
+               "_gloo_latency"], 2, workdir).strip(), flush=True)
+
+
+def gloo_latency_probe() -> None:
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    whole, one = torch.zeros(161_728), torch.zeros(())
+    part = torch.zeros(whole.numel() // 2)
+    timed = {"all-gather": lambda: dist.all_gather_into_tensor(whole, part),
+             "reduce-scatter": lambda: dist.reduce_scatter_tensor(part, whole),
+             "all-reduce of one number": lambda: dist.all_reduce(one)}
+    medians = {}
+    for name, collective in timed.items():
+        times = []
+        for _ in range(220):
+            start = time.perf_counter()
+            collective()
+            times.append(time.perf_counter() - start)
+        medians[name] = statistics.median(times[20:]) * 1e6
+    if dist.get_rank() == 0:
+        print("gloo at 2 ranks: " + ", ".join(f"{name} {us:.0f} us" for name, us in medians.items()))
+    dist.destroy_process_group()
+
+
+def bench_fixed_cost(rounds: int, workdir: str) -> None:
+    """Each launch's rows in turn, the order rotated each round (a drift of the machine favours no
+    row); each row's ratio to the baseline beside it, the median over rounds."""
+    tokens = FIXED_COST_MODEL["block_size"] * 2  # a rank's step: 2 micro-steps of one row
+    for nproc, baseline in ((1, "unwrapped"), (2, "DDP")):
+        rates = {row: [] for row in FIXED_COST_ROWS}
+        for round_ in range(rounds):
+            rows = list(FIXED_COST_ROWS)
+            for row in rows[round_ % len(rows):] + rows[:round_ % len(rows)]:
+                rates[row].append(fixed_cost_rate(nproc, workdir, row))
+            print(f"  {nproc} rank(s), round {round_ + 1}: " + ", ".join(
+                f"{row} {r[-1]:,.0f}" for row, r in rates.items()) + " tok/s", flush=True)
+        base_ms = 1e3 * tokens * nproc / statistics.median(rates["baseline"])
+        print(f"\n{nproc} rank(s): {baseline} {statistics.median(rates['baseline']):,.0f} tok/s, a step {base_ms:.1f} ms\n"
+              f"| layout | tok/s / {baseline} | a step, ms | FSDP2's cost a step, ms |\n| --- | --- | --- | --- |")
+        step_ms = {}
+        for row in list(FIXED_COST_ROWS)[1:]:
+            ratio = statistics.median(r / b for r, b in zip(rates[row], rates["baseline"]))
+            step_ms[row] = base_ms / ratio
+            print(f"| {row} | {ratio:.2f}x | {step_ms[row]:.1f} | {step_ms[row] - base_ms:.1f} |")
+        # a unit a block: 12 units and the root; auto: the whole model one unit. 11 units more, each
+        # gathered in forward and again in backward, 2 micro-steps a step
+        per_unit = (step_ms["FULL_SHARD, a unit a block"] - step_ms["FULL_SHARD"]) / (12 * 2)
+        print(f"FULL_SHARD: {per_unit:.2f} ms a unit and micro-step (the 12 block units' cost over the whole "
+              f"model's one unit, 2 micro-steps)\n", flush=True)
+    gloo_latency(workdir)
+
+
 def bench_muon_step(rounds: int) -> None:
     """Muon's optimizer step alone, one process, against the model's forward and backward: its share of
     a step (GPT-2 124M's matrices at the plain bench's batch would take minutes on a CPU: this
@@ -280,7 +363,7 @@ def bench_muon_step(rounds: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("what", choices=("plain", "scaling", "loader", "muon", "muon_step", "fsdp", "nanogpt",
-                                         "_plain_loop"))
+                                         "fixed_cost", "_plain_loop", "_gloo_latency"))
     parser.add_argument("--nanogpt", help="nanogpt: a checkout of karpathy/nanoGPT")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--compile", action="store_true", help="plain: compile both sides")
@@ -288,6 +371,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.what == "_plain_loop":
         return plain_loop(args.compile, args.widths[0])
+    if args.what == "_gloo_latency":
+        return gloo_latency_probe()
     workdir = os.path.join(ROOT, "bench", "runs")
     os.makedirs(workdir, exist_ok=True)
     print(f"{time.strftime('%Y-%m-%d')}, torch {torch.__version__}, {os.cpu_count()} CPU cores, "
@@ -303,6 +388,8 @@ def main() -> None:
         bench_fsdp(args.rounds, workdir)
     elif args.what == "nanogpt":
         bench_nanogpt(args.rounds, args.widths, args.nanogpt or "", workdir)
+    elif args.what == "fixed_cost":
+        bench_fixed_cost(args.rounds, workdir)
     elif args.what == "muon_step":
         bench_muon_step(max(args.rounds, 3) * 4)
     else:

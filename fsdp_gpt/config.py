@@ -113,6 +113,10 @@ class TrainConfig(ModelKeys):
     fsdp_prefetch: int = key(0, "FSDP: blocks whose all-gathers each block's forward and backward start ahead (0: "
                                 "FSDP2's own order, one block ahead; 1: the same overlap, issued earlier); one "
                                 "process runs unwrapped without it")
+    fsdp_blocks_per_unit: int | str = key("auto", "FSDP: consecutive DecoderBlocks sharded as one unit (one set of "
+                                                  "FSDP2's hooks and collectives each): auto (the fewest blocks whose "
+                                                  "compute covers FSDP2's fixed cost per unit; the whole model one "
+                                                  "unit where blocks are tiny) or a number")
     activation_checkpointing: bool = key(False, "recompute each DecoderBlock's activations in backward")
     compile: bool = key(False, "torch.compile each DecoderBlock and the LM head's chunked loss")
     compile_mode: str = key("default", "torch.compile's mode: default or max-autotune-no-cudagraphs (searches matmul "

@@ -83,6 +83,8 @@ def validate_run(cfg: TrainConfig) -> None:
     require(cfg.fsdp_size is None or cfg.fsdp_size > 0, f"fsdp_size must be positive, got {cfg.fsdp_size}")
     require(cfg.fsdp_prefetch >= 0, f"fsdp_prefetch must be 0 or more blocks, got {cfg.fsdp_prefetch}")
     require(cfg.fsdp or not cfg.fsdp_prefetch, "fsdp_prefetch needs fsdp: true (DDP has no all-gathers to prefetch)")
+    require(cfg.fsdp_blocks_per_unit == "auto" or (type(cfg.fsdp_blocks_per_unit) is int and cfg.fsdp_blocks_per_unit >= 1),
+            f"fsdp_blocks_per_unit must be auto or 1 or more blocks, got {cfg.fsdp_blocks_per_unit!r}")
     # the experts are FSDP units of their own, which the blocks' lists would skip: their gathers
     # would wait behind the prefetched blocks'
     require(cfg.ep_size == 1 or not cfg.fsdp_prefetch, "fsdp_prefetch with ep_size > 1 is not built: use 0")

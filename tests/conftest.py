@@ -232,9 +232,11 @@ CANONICAL = {  # name: (ranks, settings)
     "forced": (1, dict(force_fsdp=True, checkpoint_type="sharded")),
     # with a text sample at each eval: the model generates between training steps
     "full2": (2, dict(checkpoint_type="full", sample_tokens=8)),
-    "sharded2": (2, dict(checkpoint_type="sharded", async_save=True, sample_tokens=8)),
-    # with explicit prefetch: each block's forward and backward start the next two blocks' all-gathers
-    "FULL_SHARD": (4, dict(checkpoint_type="sharded", fsdp_prefetch=1)),  # 1: the most 2 blocks have
+    # a unit a block (as models whose blocks compute long enough are laid out; the tiny model's auto
+    # layout is one unit for the whole model: fsdp_units.py), a block's unit resharded after forward
+    "sharded2": (2, dict(checkpoint_type="sharded", async_save=True, sample_tokens=8, fsdp_blocks_per_unit=1)),
+    # with explicit prefetch: each block's forward and backward start the next block's all-gathers
+    "FULL_SHARD": (4, dict(checkpoint_type="sharded", fsdp_prefetch=1, fsdp_blocks_per_unit=1)),  # 1: the most 2 blocks have
     "SHARD_GRAD_OP": (4, dict(sharding_strategy="SHARD_GRAD_OP", checkpoint_type="sharded")),
     "NO_SHARD": (4, dict(sharding_strategy="NO_SHARD", checkpoint_type="sharded")),
     "HYBRID_SHARD": (4, dict(sharding_strategy="HYBRID_SHARD", fsdp_size=2, checkpoint_type="sharded")),

@@ -32,7 +32,8 @@ def resumed_losses(tmp_path, resume_from, nproc=2, **kwargs):
 
 @pytest.mark.parametrize("kind", ["full", pytest.param("sharded", marks=pytest.mark.compat)])
 def test_same_size_resume_is_bitwise(kind, two_rank_runs, corpus, tmp_path):
-    got = resumed_losses(tmp_path, checkpoint_of(two_rank_runs[kind], kind, 3), **corpus)
+    units = dict(full="auto", sharded=1)[kind]  # as each run was laid out (conftest.CANONICAL)
+    got = resumed_losses(tmp_path, checkpoint_of(two_rank_runs[kind], kind, 3), fsdp_blocks_per_unit=units, **corpus)
     expected = scalars(os.path.join(two_rank_runs[kind], "tb"), "train/loss")
     assert sorted(got) == [4, 5, 6]
     assert all(got[s] == expected[s] for s in got), (got, expected)  # bitwise
@@ -327,3 +328,13 @@ def test_tensorboard_shows_each_step_once_after_a_resume(corpus, tmp_path):
     # step 4's loss is computed before its update, from step 3's weights, in both runs; 5 and 6 differ
     assert all(e.value == pytest.approx(abandoned[e.step], rel=1e-6) for e in events[:4])
     assert all(e.value != pytest.approx(abandoned[e.step], rel=1e-6) for e in events[4:])
+
+
+@pytest.mark.parametrize("written, units", [("sharded", "auto"), ("full", 1)])
+def test_a_checkpoint_resumes_bitwise_under_another_unit_layout(written, units, two_rank_runs, corpus, tmp_path):
+    """FSDP's units are a runtime choice (fsdp_units.py): the 2-rank run written a unit a block resumes as
+    the whole model one unit (the tiny model's auto layout), and the other way, both bitwise."""
+    run = two_rank_runs[written]
+    got = resumed_losses(tmp_path, checkpoint_of(run, written, 3), fsdp_blocks_per_unit=units, **corpus)
+    expected = scalars(os.path.join(run, "tb"), "train/loss")
+    assert sorted(got) == [4, 5, 6] and all(got[s] == expected[s] for s in got), (got, expected)

@@ -14,18 +14,21 @@ pytestmark = pytest.mark.slow
 STEPS = 3
 
 
-@pytest.mark.parametrize("strategy, collective", [("FULL_SHARD", "reduce_scatter"), ("NO_SHARD", "all_reduce")])
-def test_one_gradient_reduction_per_unit_per_step(strategy, collective, corpus, tmp_path):
+@pytest.mark.parametrize("strategy, units, collective", [
+    ("FULL_SHARD", 1, "reduce_scatter"), ("FULL_SHARD", "auto", "reduce_scatter"), ("NO_SHARD", "auto", "all_reduce")])
+def test_one_gradient_reduction_per_unit_per_step(strategy, units, collective, corpus, tmp_path):
     # 2 ranks x micro_batch 2 x 4 micro-steps = 16 sequences a step
     result = run_trainer(str(tmp_path), nproc=2, script=os.path.join(ROOT, "tests", "collective_probe.py"), train_batch=16, micro_batch=2, max_iters=STEPS,
-                         sharding_strategy=strategy, **corpus)
+                         sharding_strategy=strategy, fsdp_blocks_per_unit=units, **corpus)
     assert "gradient accumulation 4" in result.stdout
     counts = json.loads(result.stdout.strip().splitlines()[-1])
-    units = TINY["n_layer"] + 1  # each DecoderBlock, and the root
+    # a unit a block: each DecoderBlock, and the root; auto at this size: the whole model one unit
+    expected_units = TINY["n_layer"] + 1 if units == 1 else 1
+    assert ("FSDP units: the whole model one unit" in result.stdout) == (expected_units == 1)
     # each gradient collective once per unit per step (4x that if every micro-batch reduced); torch
     # 2.8 also runs NO_SHARD's reduce-scatter within its shard groups of one, once per step too
     assert any(name.startswith(collective) for name in counts), counts
-    assert all(n == STEPS * units for n in counts.values()), counts
+    assert all(n == STEPS * expected_units for n in counts.values()), counts
 
 
 SYNC_CASES = {"adamw": {}, "muon": dict(optimizer="muon"),

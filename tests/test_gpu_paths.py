@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp_gpt.distributed import launch
-from fsdp_gpt.observe import peak_flops
+from fsdp_gpt.distributed import peak_flops
 from fsdp_gpt import model as model_module
 from fsdp_gpt.optim import muon
 from fsdp_gpt.distributed import precision

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from conftest import ROOT, run_trainer, scalars
-from fsdp_gpt.observe import metrics, peak_flops
+from fsdp_gpt.distributed import peak_flops
+from fsdp_gpt.observe import metrics
 from fsdp_gpt.observe.metrics import scalar_tags
 from fsdp_gpt.observe.spikes import SpikeDetector
 

@@ -48,8 +48,9 @@ def test_four_ranks_match_one_process(strategy, single_process, run_of):
     assert single_process["train/loss"][STEPS] < single_process["train/loss"][1]
 
 
-def test_explicit_prefetch_names_the_next_blocks_each_way():
-    """fsdp_prefetch's lists (the FULL_SHARD run above trains with fsdp_prefetch 1, the deepest its 2 blocks allow, and matches one process)."""
+def test_explicit_prefetch_names_the_next_units_each_way():
+    """fsdp_prefetch's lists, a unit's first block standing for it (the FULL_SHARD run above trains with
+    fsdp_prefetch 1 a unit a block, the deepest its 2 blocks allow, and matches one process)."""
     from fsdp_gpt.distributed.parallelize import prefetch
 
     class Block:
@@ -62,11 +63,15 @@ def test_explicit_prefetch_names_the_next_blocks_each_way():
         def set_modules_to_backward_prefetch(self, blocks):
             self.backward = [b.i for b in blocks]
     blocks = [Block(i) for i in range(4)]
-    prefetch(blocks, 2)
+    prefetch([[b] for b in blocks], 2)
     assert [b.forward for b in blocks] == [[1, 2], [2, 3], [3], []]
     assert [b.backward for b in blocks] == [[], [0], [1, 0], [2, 1]]
+    pairs = [Block(i) for i in range(5)]
+    prefetch([pairs[0:2], pairs[2:4], pairs[4:]], 1)  # units of 2 blocks, the last of 1
+    assert [b.forward for b in pairs] == [[2], None, [4], None, []]
+    assert [b.backward for b in pairs] == [[], None, [0], None, [2]]
     untouched = [Block(i) for i in range(4)]
-    prefetch(untouched, 0)  # FSDP2's own order
+    prefetch([[b] for b in untouched], 0)  # FSDP2's own order
     assert all(b.forward is None and b.backward is None for b in untouched)
 
 

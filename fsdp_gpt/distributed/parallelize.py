@@ -1,6 +1,6 @@
 """The model made ready for its ranks, in a fixed order: built on the meta device, context
 and expert parallelism swapped in, FP8 linears (fp8), activation checkpointing, compile,
-fully_shard per DecoderBlock and then the root (or DDP, or nothing at one process), weights
+fully_shard per unit of blocks (fsdp_units.py) and then the root (or DDP, or nothing at one process), weights
 initialised on rank 0 and broadcast into the shards. model.py knows nothing of this: every part here is applied from outside.
 """
 import torch
@@ -14,6 +14,7 @@ from fsdp_gpt.distributed.context_parallel import apply_context_parallel, swaps_
 from fsdp_gpt.distributed.ring_attention import ring_refusal
 from fsdp_gpt.distributed.expert_parallel import apply_expert_parallel, shard_experts
 from fsdp_gpt.distributed.float8 import convert
+from fsdp_gpt.distributed.fsdp_units import choose_layout
 from fsdp_gpt.distributed.launch import STRATEGY_TABLE, Topology, agree
 from fsdp_gpt.distributed.precision import DTYPES, autocast, compute_dtype
 from fsdp_gpt.hf_format import read_hf_folder
@@ -62,15 +63,20 @@ def build_model(cfg, gpt_cfg: GPTConfig, topo: Topology) -> torch.nn.Module:
         if cfg.cpu_offload:
             shard_args["offload_policy"] = CPUOffloadPolicy(pin_memory=topo.device.type == "cuda")
             param_device = torch.device("cpu")
-        for i, block in enumerate(model.blocks):
-            # the last block's parameters are needed first in backward: keep them gathered
-            keep = reshard and i < len(model.blocks) - 1
-            if topo.ep_size > 1 and isinstance(block.mlp, MoE):
-                shard_experts(block.mlp, topo, keep, shard_args)
-            fully_shard(block, reshard_after_forward=keep, **shard_args)
-        prefetch(model.blocks, cfg.fsdp_prefetch)
-        fully_shard(model, **shard_args)  # the root: embeddings, final norm, tied LM head
-        for unit in (*model.blocks, model):
+        layout = choose_layout(cfg, model, topo.device, dtype)
+        if topo.is_main:
+            print(layout.describe(), flush=True)
+        units = layout.units(model.blocks)
+        for i, unit in enumerate(units or [list(model.blocks)]):  # the whole model one unit: the blocks join the root
+            # the last unit's parameters are needed first in backward: keep them gathered
+            keep = reshard and i < len(units) - 1
+            for moe in (block.mlp for block in unit if topo.ep_size > 1 and isinstance(block.mlp, MoE)):
+                shard_experts(moe, topo, keep, shard_args)  # units of their own, on the experts' mesh
+            if units:
+                fully_shard(unit, reshard_after_forward=keep, **shard_args)  # one gather, one set of hooks
+        prefetch(units, cfg.fsdp_prefetch)
+        fully_shard(model, **shard_args)  # the root: embeddings, final norm, tied LM head (and the blocks, if one unit)
+        for unit in (*(u[0] for u in units), model):  # a unit's modules share one FSDP state
             average_over_gloo(unit, topo.device)
     model.to_empty(device=param_device)
     model.tie_weights()
@@ -89,15 +95,16 @@ def build_model(cfg, gpt_cfg: GPTConfig, topo: Topology) -> torch.nn.Module:
     return model
 
 
-def prefetch(blocks, depth: int) -> None:
-    """Explicit prefetch (depth > 0): block i's forward starts the all-gathers of blocks i+1 ..
-    i+depth, its backward those of i-1 .. i-depth. FSDP2's own order (0) keeps one block ahead;
+def prefetch(units: list[list[torch.nn.Module]], depth: int) -> None:
+    """Explicit prefetch (depth > 0): unit i's forward starts the all-gathers of units i+1 ..
+    i+depth, its backward those of i-1 .. i-depth. FSDP2's own order (0) keeps one unit ahead;
     depth 1 gives the same overlap with the gather issued earlier from the host, and each depth
-    beyond holds one more gathered block."""
+    beyond holds one more gathered unit. A unit's first block stands for it (they share one state)."""
     if depth:
-        for i, block in enumerate(blocks):
-            block.set_modules_to_forward_prefetch(list(blocks[i + 1:i + 1 + depth]))
-            block.set_modules_to_backward_prefetch(list(blocks[max(0, i - depth):i])[::-1])
+        heads = [unit[0] for unit in units]
+        for i, head in enumerate(heads):
+            head.set_modules_to_forward_prefetch(heads[i + 1:i + 1 + depth])
+            head.set_modules_to_backward_prefetch(heads[max(0, i - depth):i][::-1])
 
 
 def compile_model(model: GPT, mode: str) -> None:
@@ -108,22 +115,25 @@ def compile_model(model: GPT, mode: str) -> None:
     model.head_loss_chunk = torch.compile(model.head_loss_chunk, mode=mode)
 
 
-def micro_steps(cfg):
+def micro_steps(cfg, model: torch.nn.Module):
     """set(model, last): what a micro-step sets before its forward. Gradients are reduced on the
-    last micro-step only: one reduction per optimizer step. Where the strategy keeps the parameters
-    gathered from forward through backward (SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD_ZERO2), they stay
-    gathered across the step's micro-steps too, and are resharded after the last backward: one
-    all-gather per step instead of one per micro-step, at no higher peak (the end of each forward
-    holds them all gathered anyway)."""
-    gathered_through_step = cfg.fsdp and not STRATEGY_TABLE[cfg.sharding_strategy][1]
+    last micro-step only: one reduction per optimizer step. Where the parameters stay gathered from
+    forward through backward (SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD_ZERO2, and any strategy where the
+    whole model is one unit, which FSDP2 never reshards after forward), they stay gathered across
+    the step's micro-steps too, and are resharded after the last backward: one all-gather per step
+    instead of one per micro-step, at no higher peak (the end of each forward holds them all
+    gathered anyway)."""
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]  # the root, blocks (a group's: each), experts
+    one_unit = isinstance(model, FSDPModule) and not any(isinstance(b, FSDPModule) for b in model.blocks)
+    gathered_through_step = cfg.fsdp and (not STRATEGY_TABLE[cfg.sharding_strategy][1] or one_unit)
 
     def set_micro_step(model: torch.nn.Module, last: bool) -> None:
         if isinstance(model, DistributedDataParallel):
             model.require_backward_grad_sync = last
-        elif isinstance(model, FSDPModule):
-            model.set_requires_gradient_sync(last)
+        for unit in units:  # each unit itself: FSDP2's own recursion walks every module, 1 ms a step
+            unit.set_requires_gradient_sync(last, recurse=False)
             if gathered_through_step:
-                model.set_reshard_after_backward(last)
+                unit.set_reshard_after_backward(last, recurse=False)
         # an unwrapped model (one process) has no gradients to reduce
     return set_micro_step
 

@@ -235,7 +235,9 @@ class MuonWithAdamW(torch.optim.Optimizer):
                                  "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
         states = [self.state[p] for p in params]
         beta1, beta2 = group["betas"]
-        adamw(params, [p.grad for p in params], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+        # each DTensor's local shard, as AdamWOnShards (build.py) hands them: no DTensor dispatch
+        adamw([local_part(p) for p in params], [local_part(p.grad) for p in params],
+              [local_part(s["exp_avg"]) for s in states], [local_part(s["exp_avg_sq"]) for s in states],
               [], [s["step"] for s in states], fused=True, amsgrad=False, beta1=beta1, beta2=beta2,
               lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
               found_inf=found_inf)

@@ -1,0 +1,110 @@
+"""Which DecoderBlocks share an FSDP unit (fsdp_blocks_per_unit): the fixed cost of sharding.
+
+Every FSDP unit costs host work each micro-step whatever its size: FSDP2's hooks around its forward
+and backward, in them work for each of its parameters (shards copied into the gather buffer and out
+of it, DTensors swapped out of the modules and back), and one all-gather and one reduce-scatter.
+Where a block computes in less time than that, the GPU waits for the host: GPT-2 124M on one H100,
+a unit a block under FULL_SHARD, ran 0.774x the unwrapped model (FSDP::pre_forward about 1.5 ms a
+block, pre_backward 1.3 ms, 2026-11-27). k consecutive blocks in one unit pay it once, at the price of
+k blocks' parameters gathered at once instead of one.
+
+auto picks the fewest blocks whose compute at the device's peak takes UNIT_HOST_SECONDS, what FSDP2's
+host work for a unit takes: a unit's compute then covers it. A block that computes that long alone
+stays a unit of its own (Llama 1B on a GPU; the 25M model of tests/test_scale.py on a CPU core);
+where the whole model computes in less, it is one unit: the root's, with the embeddings and the head,
+gathered once a micro-step (the tiny models of the tests and bench/speed.py's fixed_cost).
+
+The units are a runtime choice: FSDP2 shards each parameter along its rows whatever unit it is in,
+so checkpoints, the optimizer's state and every number computed are the same under any layout.
+"""
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from fsdp_gpt.distributed.peak_flops import gpu_peak_flops, timed_matmul_flops, vector_peak_flops
+from fsdp_gpt.model import GPT
+
+# FSDP2's host work for one unit and micro-step, forward and backward: the two hooks traced on an
+# H100's host (2.8 ms, 2026-11-27) and the post-backward's reduce-scatter, rounded up
+UNIT_HOST_SECONDS = 4e-3
+
+
+@dataclass(frozen=True)
+class UnitLayout:
+    sizes: tuple[int, ...]  # consecutive blocks a unit, in order; one unit: the whole model, the root's
+    why: str  # how the sizes were chosen, for the start-up line
+
+    @classmethod
+    def of(cls, blocks_per_unit: int, n_layer: int, why: str) -> "UnitLayout":
+        """Units of blocks_per_unit blocks, the last holding what is left."""
+        full, rest = divmod(n_layer, blocks_per_unit)
+        return cls((blocks_per_unit,) * full + ((rest,) if rest else ()), why)
+
+    @classmethod
+    def balanced(cls, at_least: int, n_layer: int, why: str) -> "UnitLayout":
+        """As many units as hold at least `at_least` blocks each, their sizes a block apart at most (12
+        blocks at least 5 a unit: 6 and 6, not 5, 5 and 2)."""
+        count = max(1, n_layer // at_least)
+        return cls(tuple(n_layer // count + (i < n_layer % count) for i in range(count)), why)
+
+    @property
+    def whole_model(self) -> bool:
+        """One unit: the blocks are none of their own, the root's unit holds everything."""
+        return len(self.sizes) == 1
+
+    def units(self, blocks) -> list[list[torch.nn.Module]]:
+        """The blocks grouped into units, in order; none for the whole model."""
+        if self.whole_model:
+            return []
+        starts = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
+        return [list(blocks[start:start + size]) for start, size in zip(starts, self.sizes)]
+
+    def describe(self) -> str:
+        if self.whole_model:
+            return f"FSDP units: the whole model one unit ({self.why})"
+        sizes = (f"{self.sizes[0]} block{'s' * (self.sizes[0] > 1)} each" if len(set(self.sizes)) == 1 else
+                 f"{', '.join(map(str, self.sizes[:-1]))} and {self.sizes[-1]} blocks")
+        return f"FSDP units: {len(self.sizes)} of {sizes}, and the root (embeddings, final norm, head) ({self.why})"
+
+
+def device_peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
+    """The device's peak FLOP/s in dtype: a GPU's data sheet (None for a GPU the table lacks), a CPU's
+    vector units at the threads this process has (or a timed matmul where /proc/cpuinfo tells nothing)."""
+    if device.type == "cuda":
+        return gpu_peak_flops(device, dtype)
+    threads = torch.get_num_threads()
+    bound = vector_peak_flops(threads)
+    return bound[0] if bound else timed_matmul_flops()
+
+
+def block_flops_per_micro_step(gpt: GPT, micro_tokens: int) -> float:
+    """Training FLOPs of one (average) block for a rank's micro-batch: the model's, less the LM head's."""
+    head = 6 * gpt.lm_head.weight.numel()
+    return (gpt.flops_per_token() - head) / gpt.config.n_layer * micro_tokens
+
+
+def choose_layout(cfg, gpt: GPT, device: torch.device, dtype: torch.dtype) -> UnitLayout:
+    """The run's layout, decided on rank 0 and sent to every rank (a timed CPU peak may differ
+    between ranks, and ranks whose units differ would wait in different collectives)."""
+    n = gpt.config.n_layer
+    if cfg.fsdp_blocks_per_unit != "auto":
+        return UnitLayout.of(min(cfg.fsdp_blocks_per_unit, n), n, "fsdp_blocks_per_unit")
+    layout = [None]
+    if dist.get_rank() == 0:
+        layout[0] = auto_layout(gpt, cfg.micro_batch * cfg.block_size // cfg.cp_size, device, dtype)
+    dist.broadcast_object_list(layout, src=0)
+    return layout[0]
+
+
+def auto_layout(gpt: GPT, micro_tokens: int, device: torch.device, dtype: torch.dtype) -> UnitLayout:
+    n = gpt.config.n_layer
+    peak = device_peak_flops(device, dtype)
+    if peak is None:
+        return UnitLayout.of(1, n, "auto: a unit a block, this GPU's peak FLOP/s is unknown")
+    block_seconds = block_flops_per_micro_step(gpt, micro_tokens) / peak
+    at_least = max(1, math.ceil(UNIT_HOST_SECONDS / block_seconds))
+    return UnitLayout.balanced(at_least, n, f"auto: a block computes {block_seconds * 1e3:.2g} ms a micro-step at "
+                                            f"the device's peak, FSDP2's host work a unit about "
+                                            f"{UNIT_HOST_SECONDS * 1e3:.0f} ms")
