@@ -77,8 +77,10 @@ ROWS = [
         plain=True),
     Row("gpt2", "GPT-2 124M, train_fsdp.py, one process unwrapped, compiled (blocks and the chunked loss), "
         "micro_batch 32 x 2", GPT2, "gpt2_ref", trace=True),
-    Row("gpt2_fsdp", "gpt2, force_fsdp (FULL_SHARD: gathered twice a micro-step)", GPT2 + ["--force_fsdp=true"],
-        "gpt2"),
+    Row("gpt2_fsdp", "gpt2, force_fsdp (FULL_SHARD, units as auto lays them out: 4 of 3 blocks each at 32 x 1,024 "
+        "tokens a micro-step)", GPT2 + ["--force_fsdp=true"], "gpt2"),
+    Row("gpt2_fsdp_per_block", "gpt2_fsdp a unit a block (round seven's layout: 0.774x gpt2)",
+        GPT2 + ["--force_fsdp=true", "--fsdp_blocks_per_unit=1"], "gpt2_fsdp"),
     Row("gpt2_fsdp_prefetch", "gpt2_fsdp with fsdp_prefetch 2 (gathers issued two blocks ahead)",
         GPT2 + ["--force_fsdp=true", "--fsdp_prefetch=2"], "gpt2_fsdp"),
     Row("gpt2_fsdp_once", "gpt2, force_fsdp with SHARD_GRAD_OP: gathered once a step",
@@ -96,7 +98,8 @@ ROWS = [
     Row("llama1b_ref", "Llama 3.2 1B's shape at 2,048 tokens, plain loop", LLAMA1B, plain=True),
     Row("llama1b", "config/llama_1B.yaml: one process unwrapped, compiled, micro_batch 8 x 1", LLAMA1B,
         "llama1b_ref"),
-    Row("llama1b_fsdp", "llama1b, force_fsdp (FULL_SHARD)", LLAMA1B + ["--force_fsdp=true"], "llama1b"),
+    Row("llama1b_fsdp", "llama1b, force_fsdp (FULL_SHARD; auto: a unit a block, 6.9 ms of compute each at the peak)",
+        LLAMA1B + ["--force_fsdp=true"], "llama1b"),
     Row("llama1b_window", "llama1b with a sliding window of 512 on every layer (the flash kernel's own window)",
         LLAMA1B + ["--sliding_window=512"], "llama1b"),
     Row("llama1b_ac", "llama1b with activation checkpointing, 16 rows a micro-batch and a step",

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import DEMO, ROOT, RUN, TINY, assert_quiet, evaluated, free_port, overrides, scalars, shared, stderr_of
+from conftest import (DEMO, ROOT, RUN, TINY, assert_quiet, evaluated, free_port, launcher_once, overrides, scalars,
+                      shared, stderr_of)
 
 pytestmark = pytest.mark.slow
 STEPS = RUN["max_iters"]
@@ -73,6 +74,17 @@ def test_explicit_prefetch_names_the_next_units_each_way():
     untouched = [Block(i) for i in range(4)]
     prefetch([[b] for b in untouched], 0)  # FSDP2's own order
     assert all(b.forward is None and b.backward is None for b in untouched)
+
+
+def test_units_of_several_blocks_at_three_ranks_match_one_process(corpus, tmp_path_factory):
+    """FSDP units of 2 blocks and then 1 (fsdp_blocks_per_unit: 2 of a 3-block model), prefetched, at 3
+    ranks (64-wide rows over 3: uneven shards), against one process: the layout between a unit a block
+    and the whole model one unit, which the runs above take."""
+    run = launcher_once(tmp_path_factory, "units", **RUN, **corpus, n_layer=3)
+    units = run("units", 3, fsdp_blocks_per_unit=2, fsdp_prefetch=1)
+    assert "FSDP units: 2 of 2 and 1 blocks" in printed(units)
+    one = run("one", 1)
+    assert_parity({tag: scalars(os.path.join(one, "tb"), tag) for tag in TAGS}, units)
 
 
 # DDP's runs warn of find_unused_parameters, which parallelize.py sets on purpose

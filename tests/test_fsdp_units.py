@@ -1,0 +1,75 @@
+"""FSDP's units (fsdp_units.py): auto sizes them by a block's compute against FSDP2's host cost a unit,
+and a number lays them out as asked. The runs under each layout: test_parity.py, test_checkpoints.py
+(a checkpoint resumed bitwise under another layout), test_collectives.py (one reduction a unit)."""
+import pytest
+import torch
+
+from fsdp_gpt.config_parse import parse_args
+from fsdp_gpt.distributed import fsdp_units
+from fsdp_gpt.distributed.fsdp_units import UnitLayout, auto_layout
+from fsdp_gpt.model import GPT, GPTConfig
+from conftest import DEMO, ROOT
+
+H100_BF16 = 989e12
+
+
+def meta_model(config: str, *overrides: str) -> tuple[GPT, int]:
+    """The config's model on the meta device, and a rank's tokens a micro-step."""
+    cfg = parse_args([f"{ROOT}/config/{config}", "--vocab_size=50304", *overrides])
+    with torch.device("meta"):
+        return GPT(GPTConfig.of(cfg)), cfg.micro_batch * cfg.block_size
+
+
+def test_a_number_lays_out_that_many_blocks_a_unit_and_auto_balances():
+    assert UnitLayout.of(5, 12, "").sizes == (5, 5, 2)
+    assert UnitLayout.of(12, 12, "").whole_model
+    assert UnitLayout.balanced(5, 12, "").sizes == (6, 6)  # each at least 5: not 5, 5 and 2
+    assert UnitLayout.balanced(2, 13, "").sizes == (3, 2, 2, 2, 2, 2)
+    assert UnitLayout.balanced(7, 12, "").whole_model
+    blocks = list(range(5))
+    assert UnitLayout.of(2, 5, "").units(blocks) == [[0, 1], [2, 3], [4]]
+    assert UnitLayout.of(5, 5, "").units(blocks) == []  # the root's unit holds them
+
+
+@pytest.mark.parametrize("config, overrides, sizes", [
+    # GPT-2 124M on an H100: a block computes 1.7 ms a micro-step of 32 x 1,024 tokens at the peak, 3.4 at 64
+    ("gpt2_124M.yaml", ["--micro_batch=32"], (3,) * 4),
+    ("gpt2_124M.yaml", [], (2,) * 6),
+    ("llama_1B.yaml", [], (1,) * 16),  # 6.9 ms a block: a unit each
+])
+def test_auto_on_a_gpu(config, overrides, sizes, monkeypatch):
+    monkeypatch.setattr(fsdp_units, "device_peak_flops", lambda device, dtype: H100_BF16)
+    model, tokens = meta_model(config, *overrides)
+    assert auto_layout(model, tokens, torch.device("cuda"), torch.bfloat16).sizes == sizes
+
+
+def test_auto_on_an_unknown_gpu_keeps_a_unit_a_block(monkeypatch):
+    monkeypatch.setattr(fsdp_units, "device_peak_flops", lambda device, dtype: None)
+    model, tokens = meta_model("gpt2_124M.yaml")
+    layout = auto_layout(model, tokens, torch.device("cuda"), torch.bfloat16)
+    assert layout.sizes == (1,) * 12 and "unknown" in layout.describe()
+
+
+def test_auto_on_this_cpu(monkeypatch):
+    """One thread's vector peak (a rank's, as the tests launch them): the tests' tiny model and the
+    fixed-cost bench's 12 blocks of 32 are one unit; the 25M model of test_scale.py at 64 tokens a
+    micro-step keeps a unit a block."""
+    one_thread = fsdp_units.vector_peak_flops(1)
+    if one_thread is None:
+        pytest.skip("/proc/cpuinfo tells no vector width or clock here: auto times a matmul instead")
+    monkeypatch.setattr(fsdp_units, "device_peak_flops", lambda device, dtype: one_thread[0])
+    cpu = torch.device("cpu")
+    for overrides in (["--n_layer=2", "--n_head=2", "--n_embd=64", "--block_size=32", "--micro_batch=2"],
+                      ["--n_layer=12", "--n_head=2", "--n_embd=32", "--block_size=32", "--micro_batch=1"]):
+        model, tokens = meta_model("demo_cpu.yaml", *overrides)
+        assert auto_layout(model, tokens, cpu, torch.float32).whole_model
+    model, tokens = meta_model("demo_cpu.yaml", "--n_layer=8", "--n_head=8", "--n_embd=512", "--block_size=64",
+                               "--micro_batch=1")
+    assert auto_layout(model, tokens, cpu, torch.float32).sizes == (1,) * 8
+
+
+def test_the_key_refuses_what_is_not_auto_or_a_positive_count():
+    from fsdp_gpt.config import UserError
+    for value in ("0", "some", "-2"):
+        with pytest.raises(UserError, match="fsdp_blocks_per_unit must be auto or 1 or more blocks"):
+            parse_args([DEMO, f"--fsdp_blocks_per_unit={value}"])
