@@ -5,7 +5,6 @@ of that rank's gradient shard turns inf, before the norm is taken)."""
 import os
 import sys
 
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from fsdp_gpt import model  # noqa: E402
 import train_fsdp  # noqa: E402
