@@ -43,6 +43,18 @@ def test_auto_on_a_gpu(config, overrides, sizes, monkeypatch):
     assert auto_layout(model, tokens, torch.device("cuda"), torch.bfloat16).sizes == sizes
 
 
+@pytest.mark.parametrize("config, sizes", [("gpt2_124M.yaml", (2,) * 6), ("llama_124M.yaml", (3,) * 4),
+                                           ("train90M_fsdp.yaml", (3,) * 4), ("train300M_fsdp.yaml", (5,) * 4)])
+def test_auto_on_gpus_that_communicate_keeps_units_enough_to_overlap(config, sizes, monkeypatch):
+    """Several ranks on GPUs: at least 4 units, whose gathers and reductions hide behind compute
+    (alone, llama_124M would take 2 of 6 blocks, train90M the whole model, train300M 3 of 7, 7 and 6)."""
+    monkeypatch.setattr(fsdp_units, "device_peak_flops", lambda device, dtype: H100_BF16)
+    model, tokens = meta_model(config)
+    layout = auto_layout(model, tokens, torch.device("cuda"), torch.bfloat16, overlap=True)
+    assert layout.sizes == sizes
+    assert ("whose collectives overlap compute" in layout.describe()) == (config != "gpt2_124M.yaml")
+
+
 def test_auto_on_an_unknown_gpu_keeps_a_unit_a_block(monkeypatch):
     monkeypatch.setattr(fsdp_units, "device_peak_flops", lambda device, dtype: None)
     model, tokens = meta_model("gpt2_124M.yaml")

@@ -29,6 +29,12 @@ from fsdp_gpt.model import GPT
 # FSDP2's host work for one unit and micro-step, forward and backward: the two hooks traced on an
 # H100's host (2.8 ms, 2026-11-27) and the post-backward's reduce-scatter, rounded up
 UNIT_HOST_SECONDS = 4e-3
+# On a GPU, NCCL's collectives run on their own stream: unit i+1's all-gather beside unit i's compute,
+# and unit i's reduce-scatter beside unit i-1's backward. What no compute hides is about the first
+# unit's gather and the last one's reduce-scatter: with this many units, a quarter of the step's
+# communication at most. So auto keeps at least this many where ranks communicate on GPUs (on a CPU,
+# gloo's collectives hide nothing: FSDP2 waits for each). A judgment, not yet measured on a cluster.
+OVERLAP_UNITS = 4
 
 
 @dataclass(frozen=True)
@@ -93,18 +99,24 @@ def choose_layout(cfg, gpt: GPT, device: torch.device, dtype: torch.dtype) -> Un
         return UnitLayout.of(min(cfg.fsdp_blocks_per_unit, n), n, "fsdp_blocks_per_unit")
     layout = [None]
     if dist.get_rank() == 0:
-        layout[0] = auto_layout(gpt, cfg.micro_batch * cfg.block_size // cfg.cp_size, device, dtype)
+        layout[0] = auto_layout(gpt, cfg.micro_batch * cfg.block_size // cfg.cp_size, device, dtype,
+                                overlap=device.type == "cuda" and dist.get_world_size() > 1)
     dist.broadcast_object_list(layout, src=0)
     return layout[0]
 
 
-def auto_layout(gpt: GPT, micro_tokens: int, device: torch.device, dtype: torch.dtype) -> UnitLayout:
+def auto_layout(gpt: GPT, micro_tokens: int, device: torch.device, dtype: torch.dtype,
+                overlap: bool = False) -> UnitLayout:
+    """overlap: ranks communicate on GPUs, where OVERLAP_UNITS units hide most of it behind compute."""
     n = gpt.config.n_layer
     peak = device_peak_flops(device, dtype)
     if peak is None:
         return UnitLayout.of(1, n, "auto: a unit a block, this GPU's peak FLOP/s is unknown")
     block_seconds = block_flops_per_micro_step(gpt, micro_tokens) / peak
     at_least = max(1, math.ceil(UNIT_HOST_SECONDS / block_seconds))
-    return UnitLayout.balanced(at_least, n, f"auto: a block computes {block_seconds * 1e3:.2g} ms a micro-step at "
-                                            f"the device's peak, FSDP2's host work a unit about "
-                                            f"{UNIT_HOST_SECONDS * 1e3:.0f} ms")
+    why = (f"auto: a block computes {block_seconds * 1e3:.2g} ms a micro-step at the device's peak, FSDP2's host "
+           f"work a unit about {UNIT_HOST_SECONDS * 1e3:.0f} ms")
+    if overlap and n // at_least < OVERLAP_UNITS:
+        at_least = max(1, n // OVERLAP_UNITS)
+        why += f"; at least {OVERLAP_UNITS} units, whose collectives overlap compute"
+    return UnitLayout.balanced(at_least, n, why)
