@@ -62,27 +62,33 @@ _zygote = {}
 ZYGOTE = os.path.join(ROOT, "tests", "zygote.py")
 
 
-def zygote_socket(allocator: tuple = ()) -> str:
-    """The socket of this test process's zygote (tests/zygote.py) for glibc allocator settings
-    (MALLOC_* variables, which a process reads when it starts: its forks inherit them), started on
-    first use."""
-    if allocator not in _zygote:
+# Variables a process reads once, at its start or at its first use of a library, whose reading its
+# forks inherit: glibc's allocator settings (MALLOC_*), the instruction set of ATen's own kernels
+# (ATEN_CPU_CAPABILITY, at the first kernel ATen dispatches) and MKL's code branch (MKL_CBWR, at its
+# first call). Each set of them gets a zygote started with them.
+READ_ONCE = ("MALLOC_", "ATEN_CPU_CAPABILITY", "MKL_CBWR")
+
+
+def zygote_socket(read_once: tuple = ()) -> str:
+    """The socket of this test process's zygote (tests/zygote.py) for these READ_ONCE settings,
+    started on first use."""
+    if read_once not in _zygote:
         path = os.path.join(tempfile.mkdtemp(prefix="zygote"), "socket")
         process = subprocess.Popen([sys.executable, ZYGOTE, path], stdout=subprocess.PIPE, text=True,
                                    env=dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
-                                            PYTHONUNBUFFERED="1", **dict(allocator)))
+                                            PYTHONUNBUFFERED="1", **dict(read_once)))
         assert process.stdout.readline().strip() == "ready"
         # it holds an imported torch (~200 MB): left running, each test session's zygotes piled up
         # until the machine ran out of memory
         atexit.register(process.kill)
-        _zygote[allocator] = (process, path)
-    return _zygote[allocator][1]
+        _zygote[read_once] = (process, path)
+    return _zygote[read_once][1]
 
 
 def run_in_zygote(argv: list[str], cwd: str, env: dict, nproc: int, timeout: float) -> subprocess.CompletedProcess:
-    """`python argv...` on nproc ranks, forked by the zygote with env's allocator settings."""
-    allocator = tuple(sorted((k, v) for k, v in env.items() if k.startswith("MALLOC_")))
-    reply = zygote.request(zygote_socket(allocator), argv, str(cwd), env, nproc, free_port(), timeout)
+    """`python argv...` on nproc ranks, forked by the zygote started with env's READ_ONCE settings."""
+    read_once = tuple(sorted((k, v) for k, v in env.items() if k.startswith(READ_ONCE)))
+    reply = zygote.request(zygote_socket(read_once), argv, str(cwd), env, nproc, free_port(), timeout)
     if reply["timed_out"]:
         raise subprocess.TimeoutExpired(argv, timeout, reply["stdout"], reply["stderr"])
     return subprocess.CompletedProcess(argv, reply["returncode"], reply["stdout"], reply["stderr"])

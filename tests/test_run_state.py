@@ -5,11 +5,27 @@ tie_embeddings into model_config) resumes as the run that wrote it went on.
 
 The fixture (tests/data/checkpoint_before_issue50/) is a full checkpoint of step 3 of a 6-step run
 with every owner of state beside the weights at work: a Llama-layout mixture of experts with qk_norm
-and a balancing bias (moe), a two-source mixture (data), a spike window (spikes). Made with
-`python train_fsdp.py config/demo_cpu.yaml` and SETTINGS below (data_path: data/a, checkpoint_type:
-full, save_interval: 3), OMP_NUM_THREADS=1, torch 2.13.0 on a CPU; after_step3.json holds what that
-uninterrupted run logged after step 3. The figures are this torch's on an x86 CPU: another build
-may round a matmul otherwise (the other resume tests compare two runs on one machine)."""
+and a balancing bias (moe), a two-source mixture (data), a spike window (spikes). Made by fb8488c's
+trainer in a folder holding the fixture's data/:
+
+    ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=COMPATIBLE OMP_NUM_THREADS=1 python train_fsdp.py config/demo_cpu.yaml \
+        (conftest's TINY and SETTINGS below as --key=value) --data_path=data/a \
+        --data_mix="{a: data/a, b: data/b}" --checkpoint_dir=ckpt --tensorboard_dir=tb
+
+with torch 2.13.0 (CPU build: MKL 2024.2 as its BLAS) on an AMD EPYC with AVX2 (the checkpoint's
+`config` holds every key the run took); after_step3.json holds what that uninterrupted run logged
+after step 3. Made again, the files come out byte for byte the same.
+
+Unpinned, the figures are the CPU's: ATen's own kernels (norms, sums, softmax, the optimizer) run
+at the widest vector the CPU has, and AVX-512's 16 lanes sum in another order than AVX2's 8; MKL's
+matmuls take the branch MKL picks for the CPU. The first fixture, made unpinned on another x86
+machine (very likely with AVX-512), failed on an AVX2 one by an ulp (grad_norm at step 5, val/loss
+at step 6). PINNED_ISA fixes both, for the fixture's making and for the resumed run: ATen's AVX2
+kernels (ATEN_CPU_CAPABILITY is read before the CPU is asked: every CPU with AVX2 and FMA runs the
+same code; one without stops at an illegal instruction) and MKL's COMPATIBLE branch (one SSE2 code
+path without the approximate rcpps/rsqrtps, the only fixed branch MKL runs on non-Intel CPUs: its
+AVX2 branch is Intel's alone, AMD gets the AUTO one). oneDNN is not called by these fp32 runs. The
+other resume tests compare two runs on one machine and need no pins."""
 import json
 import os
 import shutil
@@ -33,13 +49,14 @@ SETTINGS = dict(arch="llama", n_layer=2, n_head=2, n_kv_head=1, n_embd=16, qk_no
                 moe_experts=2, moe_top_k=1, moe_bias_rate=0.01, moe_aux_loss=0.01, block_size=16, train_batch=4,
                 micro_batch=2, max_iters=6, warmup_iters=2, lr_decay_iters=6, save_interval=3, eval_interval=3,
                 seed=50, spike_window=4, checkpoint_type="full", data_source=None, data_weights="{a: 2, b: 1}")
+PINNED_ISA = dict(ATEN_CPU_CAPABILITY="avx2", MKL_CBWR="COMPATIBLE")
 
 
 def test_a_checkpoint_written_before_issue_50_resumes_bitwise(tmp_path):
     data = tmp_path / "data"
     shutil.copytree(os.path.join(FIXTURE, "data"), data)
     resumed = os.path.join(FIXTURE, "fsdp_cpt3.pth")
-    run_trainer(str(tmp_path), resume_from=resumed, data_path=str(data / "a"),
+    run_trainer(str(tmp_path), resume_from=resumed, data_path=str(data / "a"), env=PINNED_ISA,
                 data_mix=f"{{a: {data / 'a'}, b: {data / 'b'}}}", **SETTINGS)
     with open(os.path.join(FIXTURE, "after_step3.json")) as f:
         expected = json.load(f)
