@@ -32,6 +32,7 @@ from fsdp_gpt.config_parse import parse_args  # noqa: E402
 from fsdp_gpt.data.prepare import prepare_data  # noqa: E402
 from fsdp_gpt.data.loader import BatchLoader  # noqa: E402
 from fsdp_gpt.model import GPT, GPTConfig  # noqa: E402
+from fsdp_gpt.observe.figures_file import read_figures  # noqa: E402
 from fsdp_gpt.optim.muon import newton_schulz_share  # noqa: E402
 
 DEMO = os.path.join(ROOT, "config", "demo_cpu.yaml")
@@ -91,9 +92,9 @@ def trainer_rate(nproc: int, workdir: str, strategy: str = "FULL_SHARD", compile
         checkpoint_dir="ckpt", tensorboard_dir="tb", data_path=demo_data(), optimizer=optimizer,
         # the plain loop's training: its values, and so the arithmetic they cost, alike
         learning_rate=6e-4, min_lr=6e-4, warmup_iters=0, lr_schedule="constant") | extra
-    out = run(launch + [os.path.join(ROOT, "train_fsdp.py"), DEMO] + mode +
-              [f"--{k}={v}" for k, v in settings.items()], nproc, workdir)
-    return median_after_warmup([float(r.replace(",", "")) for r in re.findall(r"\| ([\d,]+) tok/s", out)])
+    run(launch + [os.path.join(ROOT, "train_fsdp.py"), DEMO] + mode + [f"--{k}={v}" for k, v in settings.items()],
+        nproc, workdir)
+    return median_after_warmup(list(read_figures(os.path.join(workdir, "tb"), "perf/tokens_per_sec").values()))
 
 
 def plain_rate(workdir: str, compile: bool, width: int) -> float:
