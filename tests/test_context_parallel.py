@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from conftest import DEMO, RUN, checkpoint_of, run_trainer, scalars
+from conftest import DEMO, RUN, checkpoint_of, figures, run_trainer, scalars
 from fsdp_gpt.config import UserError
 from fsdp_gpt.config_parse import parse_args
 
@@ -111,6 +111,8 @@ def test_a_llama_run_lengthens_its_context_on_resume_and_gpt2_is_told_why_not(ru
                                         micro_batch=1))
     assert "context parallel 4 (ring, each row over 4 ranks)" in result.stdout
     assert sorted(scalars(str(tmp_path / "ring" / "tb"), "val/loss")) == [6]
+    # the tokens seen go on from the checkpoint's count (3 steps of 32-token rows), resharded from 2 ranks to 4
+    assert figures(str(tmp_path / "ring" / "tb"), "data/tokens") == {s: 24 * (3 * 32 + (s - 3) * 64) for s in (4, 5, 6)}
 
     os.makedirs(tmp_path / "gpt2")
     # every rank exits 2, which torchrun reports as 1
