@@ -6,7 +6,7 @@ its step, the tokens seen, the world size and format it was written with, the mo
 parameters), the config keys that differ from the defaults, the data position, and whether it is
 complete. One process, no process group: the files' headers are read and their tensors left unread
 (memory-mapped), unless --verify reads every byte against the checksums written with them. Exit 0
-when the checkpoint (a folder: its newest) is complete, 1 when it is not.
+when the checkpoint is complete (a folder: when it holds a complete one), 1 when it is not.
 """
 import argparse
 import glob
