@@ -40,9 +40,8 @@ def _sharded(directory: str, step: int, verify: bool) -> tuple[dict, str]:
         check_whole(index, marker_path(directory, step))
     if verify:  # every file whole, of this set, holding what the index lists
         files = open_rank_files(directory, step, range(world))
-        for r, f in enumerate(files):
-            if index is not None:
-                check_file(index, f, r, shard_path(directory, step, r))
+        for r, f in enumerate(files if index is not None else []):
+            check_file(index, f, r, shard_path(directory, step, r))
     first = files[0] if verify else read_verified(shard_path(directory, step, 0), mmap=True, checksum=False)
     rows = f"its index holds every row of {len(index)} tensors" if index is not None else "a set older than the index"
     return first, f"yes: the marker and {world} of {world} rank files; {rows}" + (
@@ -98,8 +97,10 @@ def _tokens(step: int, config: dict, data: dict) -> str:
 def _writer(ckpt: dict, kind: str, config: dict) -> str:
     world = ckpt.get("world_size")
     ranks = f"{world} rank{'s' * (world != 1)}" if world else "ranks not recorded (the checkpoint predates it)"
-    unwrapped = world == 1 and not config.get("force_fsdp")  # one process trains the plain model
-    layout = "not wrapped" if unwrapped else config.get("sharding_strategy", "?") if config.get("fsdp", True) else "DDP"
+    if world == 1 and not config.get("force_fsdp"):
+        layout = "not wrapped"  # one process trains the plain model
+    else:
+        layout = config.get("sharding_strategy", "?") if config.get("fsdp", True) else "DDP"
     layout += "".join(f", {key} {config[key]}" for key in ("cp_size", "ep_size") if config.get(key, 1) > 1)
     written = kind + (" (consolidated from the run's sharded set)" if kind == "full" and
                       config.get("checkpoint_type") == "sharded" else "")
@@ -141,9 +142,10 @@ def describe(ckpt: dict, kind: str) -> list[str]:
             f"  data         {_data(step, config, train_state)}"]
 
 
-def _report(directory: str, step: int, kind: str, verify: bool) -> tuple[list[str], bool]:
-    ckpt, complete, why = read_checkpoint(directory, step, kind, verify)
-    return (describe(ckpt, kind) if ckpt else []) + [f"  complete     {why}"], complete
+def _report(read: tuple[dict | None, bool, str], kind: str) -> list[str]:
+    """read_checkpoint's answer in words."""
+    ckpt, _, why = read
+    return (describe(ckpt, kind) if ckpt else []) + [f"  complete     {why}"]
 
 
 def _in_folder(directory: str) -> list[tuple[int, str]]:
@@ -165,14 +167,15 @@ def inspect(path: str, verify: bool = False) -> tuple[str, bool]:
             raise UserError(f"no checkpoint in {path}/ (fsdp_cpt{{step}}.pth, fsdp_sharded_cpt{{step}}_rank{{r}}.pth)")
         lines, newest = [f"{path}/: {len(found)} checkpoint{'s' * (len(found) > 1)}"], None
         for step, kind in found:
-            complete, why = read_checkpoint(path, step, kind, verify)[1:]
-            newest = (step, kind) if complete else newest
-            lines.append(f"  step {step}, {kind}: {'complete' if complete else 'not complete: ' + why[4:]}")
+            read = read_checkpoint(path, step, kind, verify)
+            newest = (step, kind, read) if read[1] else newest
+            lines.append(f"  step {step}, {kind}: {'complete' if read[1] else 'not complete: ' + read[2][4:]}")
         if newest is None:
             return "\n".join(lines + ["no complete checkpoint"]), False
-        name = full_path(path, newest[0]) if newest[1] == "full" else shard_path(path, newest[0], 0)
-        details, complete = _report(path, *newest, verify)
-        return "\n".join(lines + [f"the newest complete, {name} (what --resume_from=latest takes):"] + details), complete
+        step, kind, read = newest
+        name = full_path(path, step) if kind == "full" else shard_path(path, step, 0)
+        return "\n".join(lines + [f"the newest complete, {name} (what --resume_from=latest takes):"] +
+                         _report(read, kind)), True
     match = FULL_RE.search(path) or SHARD_RE.search(path) or MARKER_RE.search(path)
     if not match:
         raise UserError(f"{path} is not named as a checkpoint (fsdp_cpt{{step}}.pth, fsdp_sharded_cpt{{step}}_rank{{r}}.pth "
@@ -180,8 +183,8 @@ def inspect(path: str, verify: bool = False) -> tuple[str, bool]:
     if not os.path.exists(path) and "{rank}" not in path:
         raise UserError(f"{path} not found")
     kind = "full" if match.re is FULL_RE else "sharded"
-    details, complete = _report(os.path.dirname(path) or ".", int(match.group(1)), kind, verify)
-    return "\n".join([f"{path}:"] + details), complete
+    read = read_checkpoint(os.path.dirname(path) or ".", int(match.group(1)), kind, verify)
+    return "\n".join([f"{path}:"] + _report(read, kind)), read[1]
 
 
 def main(argv: list[str]) -> int:
