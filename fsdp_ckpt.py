@@ -1,4 +1,9 @@
-"""Checkpoints outside train_fsdp.py, where the design card puts them:
+"""Checkpoints outside train_fsdp.py, where the design card puts them. Run, it says what one holds:
+
+    python fsdp_ckpt.py checkpoints/                # each checkpoint there, then the newest complete one's
+    python fsdp_ckpt.py checkpoints/fsdp_sharded_cpt5000_rank0.pth --verify   # its step, tokens seen,
+    #   world size and format, model, config keys that differ from the defaults, data position, and
+    #   whether it is complete (--verify: every byte against its checksum)
 
 In any one process, no process group (a notebook, an eval script):
 
@@ -23,11 +28,19 @@ And offline, a sharded set into one full file (as consolidate.py does):
     consolidate("checkpoints/fsdp_sharded_cpt5000_rank0.pth", "full.pth")
 
 A face, not a copy: the manager and its collectives live in fsdp_gpt/checkpoint/fsdp_ckpt.py, the
-files in ckpt_format.py (docs/checkpoints.md has both formats).
+files in ckpt_format.py (docs/checkpoints.md has both formats), what a checkpoint holds in
+run_state.py, the command in ckpt_inspect.py.
 """
+import sys
+
 from fsdp_gpt.checkpoint.ckpt_format import consolidate, load_gpt, read_model
+from fsdp_gpt.checkpoint.ckpt_inspect import main
 from fsdp_gpt.checkpoint.fsdp_ckpt import CheckpointManager
+from fsdp_gpt.config import exit_code
 from fsdp_gpt.config_parse import parse_args
 from fsdp_gpt.distributed.launch import init_distributed
 
 __all__ = ["CheckpointManager", "init_distributed", "parse_args", "load_gpt", "read_model", "consolidate"]
+
+if __name__ == "__main__":
+    sys.exit(exit_code(lambda: main(sys.argv[1:])))

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_gpt.checkpoint.fsdp_ckpt import CheckpointManager
+from fsdp_gpt.checkpoint.run_state import RunState
 from fsdp_gpt.config import UserError, to_yaml
 from fsdp_gpt.config_parse import parse_args
 from fsdp_gpt.config_help import help_text
@@ -30,12 +31,10 @@ from fsdp_gpt.hf_format import define_model
 from fsdp_gpt.model import GPTConfig
 from fsdp_gpt.observe.metrics import ProgressLog, per_rank_stats
 from fsdp_gpt.observe.profiling import Profiling
-from fsdp_gpt.observe.spikes import SpikeDetector, check_skip
+from fsdp_gpt.observe.spikes import check_skip
 from fsdp_gpt.observe.step_times import StepTimes
-from fsdp_gpt.observe.wandb_log import WandbRunId
 from fsdp_gpt.optim.build import build_optimizer
 from fsdp_gpt.optim.clip import clip_gradients
-from fsdp_gpt.optim.expert_balance import ExpertBalance
 from fsdp_gpt.optim.schedule import lr_at
 from fsdp_gpt.resilience.guard import NonFiniteGuard
 from fsdp_gpt.resilience.stop import StopRequest
@@ -126,11 +125,9 @@ def train(cfg) -> int:
     step = ckpt.resume(cfg.resume_from, model, optimizer)
     loader = open_loader(cfg, sources, topo, step)
     fp8_scales = Float8Scales(gpt)  # the FP8-gathered weights' scales, of the weights as resumed, then after each step
-    spikes = SpikeDetector(device, cfg.spike_zscore, cfg.spike_window)
-    balance = ExpertBalance(gpt, cfg.moe_bias_rate, device)  # the experts' loads (and biases) after each step
-    wandb_run = WandbRunId(cfg)
-    # what every checkpoint keeps beside the weights, each under its name (the names old checkpoints hold)
-    ckpt.keep(data=loader, spikes=spikes, moe=balance, wandb_run_id=wandb_run)
+    kept = RunState.of(cfg, loader, gpt, device)  # what every checkpoint keeps beside the weights
+    ckpt.keep(**vars(kept))
+    spikes, balance, wandb_run = kept.spikes, kept.moe, kept.wandb_run_id
     log = agree(lambda: ProgressLog(topo.is_main, cfg, cfg.train_batch * cfg.block_size, gpt.flops_per_token(), device,
                                     dtype, topo.world_size, resumed_at=step, wandb_id=wandb_run.id))
     times = StepTimes(device)

@@ -24,7 +24,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from fsdp_gpt.observe.metrics import read_scalars  # noqa: E402
+from fsdp_gpt.observe.figures_file import read_figures  # noqa: E402
 
 DEMO = os.path.join(ROOT, "config", "demo_cpu.yaml")
 MODEL = ["--n_layer=4", "--n_head=4", "--n_embd=128", "--dtype=fp32", "--sample_tokens=0", "--eval_iters=1",
@@ -53,7 +53,7 @@ def peak_per_rank(out: str) -> float:
 
 def busiest_over_idlest(tb: str) -> float:
     """The ranks' compute time per step, busiest over idlest: the median over the logged steps."""
-    busiest, idlest = (read_scalars(tb, f"time/compute_ms/{end}") for end in ("max", "min"))
+    busiest, idlest = (read_figures(tb, f"time/compute_ms/{end}") for end in ("max", "min"))
     return statistics.median(busiest[s] / idlest[s] for s in busiest)
 
 
@@ -70,7 +70,7 @@ def table(block_size: int, steps: int, workdir: str) -> None:
             out = launch(cp, args + [f"--block_size={block_size}", f"--max_iters={steps}", "--log_interval=1"], workdir)
             rows = peak_per_rank(out) - small
             first = first or rows
-            rates = [float(r.replace(",", "")) for r in re.findall(r"\| ([\d,]+) tok/s", out)][2:]  # after warm-up
+            rates = list(read_figures(os.path.join(workdir, "tb_ctx"), "perf/tokens_per_sec").values())[2:]  # after warm-up
             balance = busiest_over_idlest(os.path.join(workdir, "tb_ctx"))
             print(f"| {mode} | {cp} | {block_size // cp} | {rows:.3f} | {rows / first:.2f} | "
                   f"{statistics.median(rates) / cp:,.0f} | {balance:.2f} |", flush=True)

@@ -41,7 +41,6 @@ BYTES = ["--data_path=data/stdlib_bytes", "--data_source=stdlib", "--tokenizer=b
          "--world_size=null", "--keep_last=0"]
 FSDP = BYTES + ["--force_fsdp=true", "--dtype=bf16", "--compile=false"]
 GPT2 = ["config/train90M_fsdp.yaml"]
-LINE = re.compile(r"^step (\d+)/\d+ \| loss ([\d.]+) \| lr \S+ \| ([\d,]+) tok/s \| MFU ([\d.]+%|n/a) \|", re.M)
 PEAK = re.compile(r"^memory per rank, GB: peak ([\d. ]+) \|", re.M)
 
 
@@ -73,6 +72,12 @@ class Check:
 def losses(check: Check, name: str, tag: str = "train/loss") -> dict[int, float]:
     from fsdp_gpt.observe.metrics import read_scalars
     return read_scalars(os.path.join(check.run_dir(name), "tb"), tag)
+
+
+def figures(folder: str, tag: str) -> dict[int, float]:
+    """{step: value} of a run's figure, from its metrics.jsonl (what programs read: not the console line)."""
+    from fsdp_gpt.observe.figures_file import read_figures
+    return read_figures(os.path.join(folder, "tb"), tag)
 
 
 def first_checkpoint(check: Check, name: str) -> str:
@@ -117,8 +122,7 @@ def learns(c: Check, name: str) -> str | None:
 
 
 def mc_scored(c: Check, name: str) -> str | None:
-    with open(c.run_dir(name) + ".log") as f:
-        return learns(c, name) or (None if " mc acc " in f.read() else "no multiple-choice score in the log")
+    return learns(c, name) or (None if figures(c.run_dir(name), "eval/mc/acc") else "no multiple-choice score logged")
 
 
 def mc_file(check: Check) -> str:
@@ -247,20 +251,20 @@ def run_row(check: Check, row: Row, gpus: int) -> dict:
         problem = row.check(check, row.name) if row.check else None
         reason = f"fail: {problem}" if problem else "pass"
     print(f"   {reason}", flush=True)
-    return result | {"result": reason, "text": text}
+    return result | {"result": reason, "text": text, "folder": folder}
 
 
-def measured(text: str) -> tuple[str, str, str]:
-    """tok/s, MFU and peak memory from a trainer's log."""
-    lines = LINE.findall(text)
-    if not lines:
+def measured(folder: str, text: str) -> tuple[str, str, str]:
+    """tok/s and MFU from a trainer run's figures, its largest rank's peak memory from the end of its log."""
+    rates, mfus = figures(folder, "perf/tokens_per_sec"), figures(folder, "perf/mfu")
+    if not rates:
         return "", "", ""
-    timed = lines[1:] or lines
+    timed = sorted(rates)[1:] or list(rates)
     # over the steps after the first line: equal steps a line, so the rates' harmonic mean
-    tokens = statistics.harmonic_mean([float(t.replace(",", "")) for _, _, t, _ in timed])
-    mfus = [float(m[:-1]) for _, _, _, m in timed if m != "n/a"]
+    tokens = statistics.harmonic_mean([rates[step] for step in timed])
+    mfu = [100 * mfus[step] for step in timed if step in mfus]
     peak = PEAK.search(text)
-    return (f"{tokens:,.0f}", f"{statistics.harmonic_mean(mfus):.1f}%" if mfus else "n/a",
+    return (f"{tokens:,.0f}", f"{statistics.harmonic_mean(mfu):.1f}%" if mfu else "n/a",
             f"{max(float(gb) for gb in peak.group(1).split()):.2f}" if peak else "")
 
 
@@ -291,7 +295,8 @@ def machine() -> str:
 def table(results: list[dict], tests: str, started: str) -> str:
     lines = ["| run | what it runs | tok/s | MFU | peak memory, GB | result |", "| --- | --- | --- | --- | --- | --- |"]
     for r in results:
-        cells = [r["row"].name, r["row"].what, *measured(r.get("text", "")), r["result"]]
+        cells = [r["row"].name, r["row"].what, *(measured(r["folder"], r["text"]) if "folder" in r else ("",) * 3),
+                 r["result"]]
         lines.append("| " + " | ".join(cell.replace("|", "/") for cell in cells) + " |")
     return "\n".join(lines + ["", f"{started}, {machine()}. GPU tests: {tests}"])
 

@@ -221,13 +221,22 @@ def plain_loop(argv: list[str]) -> None:
             mark = now
 
 
-TRAINER_LINE = re.compile(r"^step (\d+)/\d+ \| loss \S+ \| lr \S+ \| ([\d,]+) tok/s \| MFU \S+ \| mem ([\d.]+) GB", re.M)
 PLAIN_LINE = re.compile(r"^step (\d+) \| (\d+) tok/s \| mem ([\d.]+) GB", re.M)
 
 
-def steady(text: str, plain: bool) -> tuple[float, float] | None:
+def logged(text: str, tb: str | None) -> list[tuple[int, float, float]]:
+    """(step, tok/s, peak GB) of each log step: the plain loop's lines, or a trainer run's figures (tb:
+    its tensorboard_dir, where metrics.jsonl is; the console line is for people)."""
+    if tb is None:
+        return [(int(s), float(r), float(m)) for s, r, m in PLAIN_LINE.findall(text)]
+    from fsdp_gpt.observe.figures_file import read_figures
+    rates, peaks = read_figures(tb, "perf/tokens_per_sec"), read_figures(tb, "mem/peak_gb")
+    return [(step, rate, peaks[step]) for step, rate in rates.items()]
+
+
+def steady(text: str, tb: str | None) -> tuple[float, float] | None:
     """(tok/s over the steps after the first line, up to STEPS; the largest peak GB among them)."""
-    lines = [(int(s), float(r.replace(",", "")), float(m)) for s, r, m in (PLAIN_LINE if plain else TRAINER_LINE).findall(text)]
+    lines = logged(text, tb)
     timed = [(r, m) for s, r, m in lines if LOG_EVERY < s <= STEPS]
     if not timed:
         return None
@@ -313,7 +322,7 @@ def run_row(row: Row, folder: str, extra: list[str], left: float, trace: bool) -
     code = run_logged([sys.executable, __file__, *mode, *row.args, *BYTES, *own, *extra], log, left)
     with open(log) as f:
         text = f.read()
-    measured = steady(text, row.plain)
+    measured = steady(text, None if row.plain else f"{folder}/{row.name}/tb")
     result = {"row": row.name, "what": row.what, "vs": row.vs, "by_mfu": row.by_mfu}
     if code is None or code or measured is None:
         reason = "timed out" if code is None else failure(text, code) if code else "no steady log lines"

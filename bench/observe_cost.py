@@ -12,7 +12,6 @@ and is not included: it was there before (memory) and its one collective gained 
 """
 import argparse
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -24,6 +23,7 @@ import torch.distributed as dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from fsdp_gpt.observe.figures_file import read_figures  # noqa: E402
 from fsdp_gpt.observe.profiling import Profiling  # noqa: E402
 from fsdp_gpt.observe.spikes import SpikeDetector  # noqa: E402
 from fsdp_gpt.observe.step_times import StepTimes  # noqa: E402
@@ -41,10 +41,10 @@ def torchrun(args: list[str], workdir: str) -> str:
 
 
 def demo_step_seconds(workdir: str) -> float:
-    out = torchrun([os.path.join(ROOT, "train_fsdp.py"), DEMO, "--max_iters=60", "--log_interval=10",
+    torchrun([os.path.join(ROOT, "train_fsdp.py"), DEMO, "--max_iters=60", "--log_interval=10",
                     "--eval_interval=1000", "--save_interval=1000", "--sample_tokens=0", "--checkpoint_dir=ckpt_oc",
                     "--tensorboard_dir=tb_oc"], workdir)
-    rates = [float(r.replace(",", "")) for r in re.findall(r"\| ([\d,]+) tok/s", out)][1:]
+    rates = list(read_figures(os.path.join(workdir, "tb_oc"), "perf/tokens_per_sec").values())[1:]
     return 32 * 128 / statistics.median(rates)  # the demo's train_batch x block_size tokens a step
 
 

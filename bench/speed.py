@@ -33,6 +33,7 @@ from fsdp_gpt.config_parse import parse_args  # noqa: E402
 from fsdp_gpt.data.prepare import prepare_data  # noqa: E402
 from fsdp_gpt.data.loader import BatchLoader  # noqa: E402
 from fsdp_gpt.model import GPT, GPTConfig  # noqa: E402
+from fsdp_gpt.observe.figures_file import read_figures  # noqa: E402
 from fsdp_gpt.optim.muon import newton_schulz_share  # noqa: E402
 
 DEMO = os.path.join(ROOT, "config", "demo_cpu.yaml")
@@ -92,9 +93,9 @@ def trainer_rate(nproc: int, workdir: str, strategy: str = "FULL_SHARD", compile
         checkpoint_dir="ckpt", tensorboard_dir="tb", data_path=demo_data(), optimizer=optimizer,
         # the plain loop's training: its values, and so the arithmetic they cost, alike
         learning_rate=6e-4, min_lr=6e-4, warmup_iters=0, lr_schedule="constant") | extra
-    out = run(launch + [os.path.join(ROOT, "train_fsdp.py"), DEMO] + mode +
-              [f"--{k}={v}" for k, v in settings.items()], nproc, workdir)
-    return median_after_warmup([float(r.replace(",", "")) for r in re.findall(r"\| ([\d,]+) tok/s", out)])
+    run(launch + [os.path.join(ROOT, "train_fsdp.py"), DEMO] + mode + [f"--{k}={v}" for k, v in settings.items()],
+        nproc, workdir)
+    return median_after_warmup(list(read_figures(os.path.join(workdir, "tb"), "perf/tokens_per_sec").values()))
 
 
 def plain_rate(workdir: str, compile: bool, width: int) -> float:
@@ -263,15 +264,16 @@ FIXED_COST_ROWS = {  # name: config keys beside the launch's own
 
 def fixed_cost_rate(nproc: int, workdir: str, row: str) -> float:
     fsdp = dict(fsdp=True, force_fsdp=nproc == 1) if row != "baseline" else dict(fsdp=False)  # 1 rank: unwrapped
-    settings = FIXED_COST_MODEL | dict(train_batch=2 * nproc, max_iters=200, log_interval=20) | fsdp
-    out = run([sys.executable] + ([] if nproc == 1 else ["-m", "torch.distributed.run", "--standalone",
-                                                          f"--nproc_per_node={nproc}"]) +
-              [os.path.join(ROOT, "train_fsdp.py"), DEMO] + [f"--{k}={v}" for k, v in (
-                  settings | FIXED_COST_ROWS[row] | dict(
-                      dtype="fp32", compile=False, eval_interval=10 ** 6, eval_iters=1, save_interval=10 ** 6,
-                      sample_tokens=0, checkpoint_dir="ckpt", tensorboard_dir="tb", data_path=demo_data())).items()],
-              nproc, workdir)
-    return statistics.median(float(r.replace(",", "")) for r in re.findall(r"\| ([\d,]+) tok/s", out)[-5:])
+    settings = FIXED_COST_MODEL | fsdp | FIXED_COST_ROWS[row] | dict(
+        train_batch=2 * nproc, max_iters=200, log_interval=20, dtype="fp32", compile=False, eval_interval=10 ** 6,
+        eval_iters=1, save_interval=10 ** 6, sample_tokens=0, checkpoint_dir="ckpt", tensorboard_dir="tb",
+        data_path=demo_data())
+    launch = [sys.executable] + ([] if nproc == 1 else ["-m", "torch.distributed.run", "--standalone",
+                                                        f"--nproc_per_node={nproc}"])
+    run(launch + [os.path.join(ROOT, "train_fsdp.py"), DEMO] + [f"--{k}={v}" for k, v in settings.items()], nproc,
+        workdir)
+    rates = read_figures(os.path.join(workdir, "tb"), "perf/tokens_per_sec")
+    return statistics.median(rates[step] for step in sorted(rates)[-5:])
 
 
 def gloo_latency(workdir: str) -> None:

@@ -25,14 +25,18 @@ def validate(cfg: TrainConfig) -> None:
     validate_model(cfg)
 
 
+def archs_taking(key: str) -> str:
+    """The layouts whose families take a model key, as a refusal names them ("llama or gemma3")."""
+    return " or ".join(dict.fromkeys(family.arch for family in FAMILIES if key in family.takes))
+
+
 def validate_model(cfg: TrainConfig) -> None:
     """The model's keys, and the others' checks that read them."""
     for key in ("n_layer", "n_head", "n_embd"):
         require(getattr(cfg, key) > 0, f"config key '{key}' must be positive, got {getattr(cfg, key)}")
     require(cfg.arch in ARCHS, f"arch '{cfg.arch}' is not one of {', '.join(ARCHS)}")
     for key, value in cfg.foreign_keys().items():  # e.g. qk_norm with GPT-2's layout
-        archs = dict.fromkeys(family.arch for family in FAMILIES if key in family.takes)
-        raise UserError(f"{key}={value} needs arch: {' or '.join(archs)} ({cfg.family.name} takes no {key})")
+        raise UserError(f"{key}={value} needs arch: {archs_taking(key)} ({cfg.family.name} takes no {key})")
     require(cfg.head_dim is not None or cfg.n_embd % cfg.n_head == 0,
             f"n_head={cfg.n_head} must divide n_embd={cfg.n_embd}: pick n_embd as a multiple of n_head")
     require(cfg.head_dim is None or cfg.head_dim > 0, f"head_dim must be positive, got {cfg.head_dim}")

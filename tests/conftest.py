@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 import zygote
 from fsdp_gpt.data.prepare import prepare_data
+from fsdp_gpt.observe.figures_file import read_figures as figures, read_records as records  # noqa: F401 - likewise
 from fsdp_gpt.observe.metrics import read_scalars as scalars, read_texts as texts  # noqa: F401 - the tests' names for them
 
 # Tests run on the CPU wherever they run: the trainer picks CUDA when it sees a GPU, and a 4-rank

@@ -54,7 +54,7 @@ def test_root_holds_the_entry_points_and_faces_only():
     assert sorted(os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "*.py"))) == sorted(ENTRY_POINTS + FACES)
 
 
-@pytest.mark.parametrize("script", ENTRY_POINTS)
+@pytest.mark.parametrize("script", ENTRY_POINTS + ["fsdp_ckpt.py"])  # the face also runs: what a checkpoint holds
 def test_entry_point_answers_help(script):
     result = subprocess.run([sys.executable, os.path.join(ROOT, script), "--help"], capture_output=True, text=True,
                             timeout=120, env=dict(os.environ, PYTHONPATH=""))

@@ -12,11 +12,12 @@ import time
 import pytest
 import torch
 
-from fsdp_gpt.checkpoint import ckpt_format
+from fsdp_gpt.checkpoint import ckpt_format, ckpt_inspect
 from fsdp_gpt.checkpoint.ckpt_format import save_atomically
 from fsdp_gpt.config import TrainConfig, UserError
-from conftest import (CANONICAL, DEMO, ROOT, RUN, TINY, checkpoint_of, overrides, run_trainer, scalars, tool,
-                      trainer_cmd)
+from fsdp_gpt.model import GPT, GPTConfig
+from conftest import (CANONICAL, DEMO, ROOT, RUN, TINY, checkpoint_of, figures, overrides, records, run_trainer,
+                      scalars, tool, trainer_cmd)
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 from scale_plan import Plan  # noqa: E402
@@ -87,6 +88,46 @@ def test_consolidated_sharded_equals_full(two_rank_runs, tmp_path):
             assert torch.equal(merged["optimizer"]["state"][name][key], tensor), (name, key)
     assert merged["optimizer"]["param_groups"] == full["optimizer"]["param_groups"]
     assert merged["step"] == full["step"] == 6
+    assert merged["world_size"] == full["world_size"] == 2 and merged["train_state"] == full["train_state"]
+
+
+def test_the_inspector_says_what_a_checkpoint_holds(two_rank_runs, corpus, tmp_path, capsys):
+    """python fsdp_ckpt.py PATH: a folder's checkpoints and its newest one's fields, a full file's; the
+    tokens seen are the state's, in both formats; an incomplete set and a damaged file are said to be
+    (exit 1), the damage found by --verify."""
+    sharded = os.path.join(two_rank_runs["sharded"], "ckpt")
+    with torch.device("meta"):
+        n_params = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=32, vocab_size=256)).num_params()
+    lines = tool("fsdp_ckpt.py", sharded + "/").splitlines()  # exit 0: complete
+    assert lines[:4] == [f"{sharded}/: 2 checkpoints", "  step 3, sharded: complete", "  step 6, sharded: complete",
+                         f"the newest complete, {sharded}/fsdp_sharded_cpt6_rank0.pth (what --resume_from=latest takes):"]
+    fields = {line[2:15].strip(): line[15:] for line in lines[4:] if not line.startswith(" " * 15)}
+    assert fields["step"] == "6: the state after it; a resume continues with step 7"
+    assert fields["tokens seen"] == f"{6 * RUN['train_batch'] * TINY['block_size']:,}"
+    assert fields["written by"] == "2 ranks, FULL_SHARD; sharded format"
+    assert fields["model"] == f"GPT-2, 2 layers x 64 wide, 2 heads, context 32, vocabulary 256: {n_params:,} parameters"
+    config = " ".join(line.strip() for line in lines if line.startswith(("  config", " " * 15)))
+    assert all(f" {key}={value} " in config for key, value in dict(train_batch=24, async_save="true", seed=7).items())
+    assert " dropout=" not in config and config.endswith("(the keys that differ from the defaults)")  # at its default
+    assert fields["data"] == f"{corpus['data_path']}, seed 7: step 7's batch next"
+    assert fields["complete"].startswith("yes: the marker and 2 of 2 rank files; its index holds every row of ")
+    report, complete = ckpt_inspect.inspect(checkpoint_of(two_rank_runs["full"], "full", 3), verify=True)
+    assert complete and "\n  written by   2 ranks, FULL_SHARD; full format\n" in report
+    assert f"\n  tokens seen  {3 * RUN['train_batch'] * TINY['block_size']:,}\n" in report
+    assert report.endswith("\n  complete     yes: one file under its final name, its checksum matches")
+    # step 6's marker gone (a rank never finished), a byte of step 3's rank 1 file flipped
+    damaged = str(tmp_path / "ckpt")
+    shutil.copytree(sharded, damaged)
+    os.remove(ckpt_format.marker_path(damaged, 6))
+    flip_byte(ckpt_format.shard_path(damaged, 3, 1))
+    assert ckpt_inspect.main([damaged]) == 0  # the header alone: step 3 looks complete
+    capsys.readouterr()
+    assert ckpt_inspect.main([damaged, "--verify"]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].startswith(f"  step 3, sharded: not complete: checkpoint {damaged}/fsdp_sharded_cpt3_rank1.pth is corrupt")
+    assert out[2] == (f"  step 6, sharded: not complete: sharded checkpoint of step 6 in {damaged}/ is incomplete "
+                      f"(no fsdp_sharded_cpt6.complete): some rank never finished writing it")
+    assert out[3:] == ["no complete checkpoint"]
 
 
 def test_killed_worker_restarts_from_latest(corpus, tmp_path):
@@ -314,7 +355,7 @@ def test_sets_without_an_index_still_load(two_rank_runs, corpus, tmp_path):
 def test_tensorboard_shows_each_step_once_after_a_resume(corpus, tmp_path):
     """A run logged steps 1-6; resumed from its step-3 checkpoint with another learning rate, its steps
     4-6 are an abandoned stretch. TensorBoard's own reader of the folder (as its UI loads it) shows
-    each step once, 4-6 with the resumed run's values."""
+    each step once, 4-6 with the resumed run's values; so does metrics.jsonl."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     run_trainer(str(tmp_path), max_iters=6, save_interval=3, **corpus)
     abandoned = scalars(str(tmp_path / "tb"), "train/loss")
@@ -328,6 +369,10 @@ def test_tensorboard_shows_each_step_once_after_a_resume(corpus, tmp_path):
     # step 4's loss is computed before its update, from step 3's weights, in both runs; 5 and 6 differ
     assert all(e.value == pytest.approx(abandoned[e.step], rel=1e-6) for e in events[:4])
     assert all(e.value != pytest.approx(abandoned[e.step], rel=1e-6) for e in events[4:])
+    # metrics.jsonl alike: each step once, the resumed run's records after step 3 (val at 0, 4 and 6)
+    logged = [(r["kind"], r["step"]) for r in records(str(tmp_path / "tb"))]
+    assert logged == [("val", 0), *(("train", s) for s in (1, 2, 3, 4)), ("val", 4), ("train", 5), ("train", 6), ("val", 6)]
+    assert figures(str(tmp_path / "tb"), "train/loss") == pytest.approx({e.step: e.value for e in events}, rel=1e-6)
 
 
 @pytest.mark.parametrize("written, units", [("sharded", "auto"), ("full", 1)])

@@ -5,8 +5,9 @@ import re
 
 import pytest
 
-from conftest import DEMO, RUN, checkpoint_of, run_trainer, scalars
+from conftest import DEMO, RUN, checkpoint_of, figures, run_trainer, scalars
 from fsdp_gpt.config import UserError
+from fsdp_gpt.families import FAMILIES
 from fsdp_gpt.config_parse import parse_args
 
 TAGS = ("train/loss", "train/grad_norm", "val/loss")
@@ -111,13 +112,16 @@ def test_a_llama_run_lengthens_its_context_on_resume_and_gpt2_is_told_why_not(ru
                                         micro_batch=1))
     assert "context parallel 4 (ring, each row over 4 ranks)" in result.stdout
     assert sorted(scalars(str(tmp_path / "ring" / "tb"), "val/loss")) == [6]
+    # the tokens seen go on from the checkpoint's count (3 steps of 32-token rows), resharded from 2 ranks to 4
+    assert figures(str(tmp_path / "ring" / "tb"), "data/tokens") == {s: 24 * (3 * 32 + (s - 3) * 64) for s in (4, 5, 6)}
 
     os.makedirs(tmp_path / "gpt2")
     # every rank exits 2, which torchrun reports as 1
     refused = run_trainer(str(tmp_path / "gpt2"), nproc=2, check=False, block_size=64, resume_from=checkpoint_of(
         run_of("cp2"), "sharded", 3), **RUN | corpus)
+    resumable = ", ".join(family.name for family in FAMILIES if "block_size" in family.resumable)  # the table's
     assert refused.returncode == 1 and "but the config has block_size=64: set --block_size=32 to resume it (only " \
-        "Llama, " in refused.stderr and "may change block_size on resume)" in refused.stderr
+        f"{resumable} may change block_size on resume)" in refused.stderr and "Llama" in resumable
 
 
 def test_a_mixture_keeps_its_block_size_on_resume(corpus, tmp_path):

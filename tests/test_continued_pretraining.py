@@ -2,6 +2,7 @@
 config contradicts is refused naming both values), its tokenizer is the run's, its vocabulary stays
 the model's, block_size is the run's choice up to the folder's positions."""
 import os
+import re
 import sys
 
 import pytest
@@ -276,7 +277,11 @@ def test_a_folder_of_another_architecture_is_named(tmp_path):
 
     from fsdp_gpt.config import UserError
     from fsdp_gpt.hf_format import hf_model_keys
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["MistralForCausalLM"], "hidden_size": 64}))
-    with pytest.raises(UserError, match=rf"init_from: {tmp_path}/ holds a MistralForCausalLM; this trainer starts "
-                                        rf"from GPT2LMHeadModel, LlamaForCausalLM, Qwen3ForCausalLM"):
+    from fsdp_gpt.families import FAMILIES
+    # a masked model, never a family here; the classes named are the families' table's
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["BertForMaskedLM"], "hidden_size": 64}))
+    classes = list(dict.fromkeys(family.hf_class for family in FAMILIES))
+    assert "LlamaForCausalLM" in classes
+    with pytest.raises(UserError, match=re.escape(f"init_from: {tmp_path}/ holds a BertForMaskedLM; this trainer starts "
+                                                  f"from {', '.join(classes)}")):
         hf_model_keys(str(tmp_path))

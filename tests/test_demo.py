@@ -1,12 +1,11 @@
 """The README's first command: the CPU demo trains offline on a fresh folder."""
 import os
-import re
 import subprocess
 import sys
 
 import pytest
 
-from conftest import DEMO, ROOT, scalars, texts
+from conftest import DEMO, ROOT, figures, records, scalars, texts
 
 pytestmark = [pytest.mark.slow, pytest.mark.compat]
 
@@ -22,21 +21,25 @@ def test_demo_trains_and_val_loss_falls(tmp_path):
                             capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "preparing data/stdlib_bytes" in result.stdout  # prepared here, not found ready
-    val = scalars(str(tmp_path / "tensorboard" / "demo_cpu"), "val/loss")
+    tb = str(tmp_path / "tensorboard" / "demo_cpu")
+    val = scalars(tb, "val/loss")
     first, last = val[0], val[max(val)]
     assert max(val) == 200
     assert last <= 0.6 * first, (first, last)
     assert os.path.isfile(tmp_path / "checkpoints" / "fsdp_cpt200.pth")
     # a text sample at each eval, in TensorBoard's TEXT tab
-    samples = texts(str(tmp_path / "tensorboard" / "demo_cpu"), "val/sample")
+    samples = texts(tb, "val/sample")
     assert sorted(samples) == sorted(val)
     assert len(samples[200].strip()) > 20 and samples[200] != samples[0]
-    # progress: one line per log interval (25 steps), each with a finite ETA that shrinks to zero
-    progress = re.findall(r"^step (\d+)/200 \| loss [\d.]+ \| lr \S+ \| [\d,]+ tok/s \| MFU ([\d.]+)% "
-                          r"\| mem [\d.]+ GB \| ETA (\d+)m(\d\d)s$", result.stdout, re.MULTILINE)
-    assert [int(step) for step, _, _, _ in progress] == list(range(25, 201, 25))
-    assert all(0 < float(mfu) <= 100 for _, mfu, _, _ in progress)
-    assert result.stdout.count("note: MFU on the CPU is an estimate") == 1  # said once, at start-up
-    eta = [60 * int(m) + int(s) for _, _, m, s in progress]
+    # progress as programs read it (metrics.jsonl beside the TensorBoard events, not the console line):
+    # a record per log interval (25 steps), each with an MFU and a finite ETA that shrinks to zero,
+    # and a console line for each; the val records are TensorBoard's figures
+    progress = {r["step"]: r for r in records(tb) if r["kind"] == "train"}
+    assert list(progress) == list(range(25, 201, 25))
+    assert all(f"\nstep {step}/200 | " in result.stdout for step in progress)
+    assert all(0 < r["perf/mfu"] <= 1 for r in progress.values())
+    eta = [r["perf/eta_s"] for r in progress.values()]
     assert eta[0] > eta[len(eta) // 2] > eta[-1] == 0, eta
+    assert figures(tb, "val/loss") == pytest.approx(val, rel=1e-6)
+    assert result.stdout.count("note: MFU on the CPU is an estimate") == 1  # said once, at start-up
     assert result.stdout.rstrip().endswith("done: last checkpoint checkpoints/fsdp_cpt200.pth, TensorBoard logs in tensorboard/demo_cpu/")

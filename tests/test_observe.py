@@ -1,6 +1,7 @@
 """Seeing inside a run: every rank's time (a late rank named), profiler traces per rank, loss spikes
-(named, counted, skipped on request), and wandb beside TensorBoard."""
+(named, counted, skipped on request), the figures as JSON lines, and wandb beside TensorBoard."""
 import json
+import math
 import os
 import struct
 import subprocess
@@ -11,9 +12,10 @@ import types
 import pytest
 import torch
 
-from conftest import ROOT, run_trainer, scalars
+from conftest import ROOT, figures, records, run_trainer, scalars
 from fsdp_gpt.distributed import peak_flops
 from fsdp_gpt.observe import metrics
+from fsdp_gpt.observe.figures_file import FiguresFile
 from fsdp_gpt.observe.metrics import scalar_tags
 from fsdp_gpt.observe.spikes import SpikeDetector
 
@@ -150,19 +152,19 @@ def test_mfu_peak_holds_under_load(tmp_path, monkeypatch, capsys):
 
 
 def test_a_figure_reaches_the_console_by_its_row_alone(tmp_path, monkeypatch, capsys):
-    """Every figure a log step has reaches TensorBoard; the console shows those CONSOLE names, by its
-    row: a maintainer's new figure (here the embedding's mean absolute gradient, an owner's scalar)
-    shows once its row is added, and nothing else in the logger knows it."""
+    """Every figure a log step has reaches TensorBoard and metrics.jsonl; the console shows those CONSOLE
+    names, by its row: a maintainer's new figure (here the embedding's mean absolute gradient, an
+    owner's scalar) shows once its row is added, and nothing else in the logger knows it."""
     cfg = types.SimpleNamespace(max_iters=10, straggler_ratio=1.2, spike_skip=True, tensorboard_dir=str(tmp_path))
     monkeypatch.setattr(peak_flops, "cpu_peak_flops", lambda: (1e9, "a test's peak"))
     log = metrics.ProgressLog(True, cfg, tokens_per_step=1000, flops_per_token=1000, device=torch.device("cpu"),
                               dtype=torch.float32, world_size=1)
     memory = [0.5] * len(metrics.MEMORY_COLUMNS)
-    figures = {"grad/wte_abs_mean": 3.25e-4, "moe/busiest": 1.5, "moe/idle": 0.25}
+    owned = {"grad/wte_abs_mean": 3.25e-4, "moe/busiest": 1.5, "moe/idle": 0.25}
 
     def line(step: int) -> str:
         log.start(step - 1)
-        log.train(step, 2.0, 1e-3, 1.0, torch.tensor([memory + [0.0, 0.01, 0.0]]), 1, figures, [(step, 7.5)], 3)
+        log.train(step, 2.0, 1e-3, 1.0, torch.tensor([memory + [0.0, 0.01, 0.0]]), 1, owned, [(step, 7.5)], 3)
         return next(text for text in capsys.readouterr().out.splitlines() if text.startswith(f"step {step}/10"))
 
     first = line(1)
@@ -173,6 +175,29 @@ def test_a_figure_reaches_the_console_by_its_row_alone(tmp_path, monkeypatch, ca
     assert line(2).endswith(" | loss spike at step 2 (z 7.5, update skipped) | wte |g| 3.25e-04")
     log.close(torch.tensor([memory]))
     assert scalars(str(tmp_path), "grad/wte_abs_mean") == pytest.approx({1: 3.25e-4, 2: 3.25e-4})  # TensorBoard keeps fp32
+    assert figures(str(tmp_path), "grad/wte_abs_mean") == {1: 3.25e-4, 2: 3.25e-4}
+    assert [(r["kind"], r["train/skipped_steps"], r["moe/idle"]) for r in records(str(tmp_path))] == [("train", 1, 0.25)] * 2
+
+
+def test_the_figures_file_holds_each_step_once_across_a_resume(tmp_path):
+    """metrics.jsonl: a resumed run keeps the records up to its step and appends after them (what an
+    abandoned stretch wrote past it goes, as TensorBoard's purge_step hides it); a line a killed run
+    cut short is dropped; a non-finite figure is JSON's null; a fresh run starts the file anew."""
+    run = str(tmp_path)
+    first = FiguresFile(run)
+    for step in (1, 2, 3):
+        first.write("train", step, {"train/loss": float(step)})
+    first.write("val", 3, {"val/loss": math.nan})
+    first.file.write('{"step": 4, "ti')  # killed mid-line
+    first.close()
+    assert [(r["step"], r["kind"]) for r in records(run)] == [(1, "train"), (2, "train"), (3, "train"), (3, "val")]
+    assert records(run)[-1]["val/loss"] is None and records(run)[0]["time"] <= records(run)[-1]["time"]
+    resumed = FiguresFile(run, resumed_at=2)
+    resumed.write("train", 3, {"train/loss": 30.0})
+    resumed.close()
+    assert figures(run, "train/loss") == {1: 1.0, 2: 2.0, 3: 30.0} and figures(run, "val/loss") == {}
+    FiguresFile(run).close()
+    assert records(run) == []
 
 
 def wandb_history(run_folder: str) -> tuple[str, dict[int, dict]]:

@@ -1,7 +1,8 @@
-"""What a checkpoint keeps beside the weights (train_state): every owner of such state offers state()
-and load(), and the checkpoint manager gathers them (CheckpointManager.keep). A checkpoint written
-before that (issue 50; main at fb8488c gathered them in train_fsdp.py's run_state() and resolved
-tie_embeddings into model_config) resumes as the run that wrote it went on.
+"""What a checkpoint keeps beside the weights (train_state): every owner of such state (RunState, the
+one list of them) offers state() and load(), and the checkpoint manager gathers them
+(CheckpointManager.keep). A checkpoint written before that (issue 50; main at fb8488c gathered them in
+train_fsdp.py's run_state() and resolved tie_embeddings into model_config) resumes as the run that
+wrote it went on, its tokens seen taken from its step (it counted none).
 
 The fixture (tests/data/checkpoint_before_issue50/) is a full checkpoint of step 3 of a 6-step run
 with every owner of state beside the weights at work: a Llama-layout mixture of experts with qk_norm
@@ -33,16 +34,15 @@ import shutil
 import torch
 
 from conftest import DEMO, ROOT, checkpoint_of, run_trainer, scalars
+from fsdp_gpt.checkpoint.ckpt_inspect import inspect
 from fsdp_gpt.checkpoint.fsdp_ckpt import CheckpointManager
+from fsdp_gpt.checkpoint.run_state import RunState
 from fsdp_gpt.config_parse import parse_args
 from fsdp_gpt.data.loader import BatchLoader
 from fsdp_gpt.data.mixture import Segment
 from fsdp_gpt.distributed.launch import Topology
 from fsdp_gpt.files import read_json
 from fsdp_gpt.model import GPT, GPTConfig
-from fsdp_gpt.observe.spikes import SpikeDetector
-from fsdp_gpt.observe.wandb_log import WandbRunId
-from fsdp_gpt.optim.expert_balance import ExpertBalance
 
 FIXTURE = os.path.join(ROOT, "tests", "data", "checkpoint_before_issue50")
 SETTINGS = dict(arch="llama", n_layer=2, n_head=2, n_kv_head=1, n_embd=16, qk_norm=True, ffn_hidden=32,
@@ -56,8 +56,8 @@ def test_a_checkpoint_written_before_issue_50_resumes_bitwise(tmp_path):
     data = tmp_path / "data"
     shutil.copytree(os.path.join(FIXTURE, "data"), data)
     resumed = os.path.join(FIXTURE, "fsdp_cpt3.pth")
-    run_trainer(str(tmp_path), resume_from=resumed, data_path=str(data / "a"), env=PINNED_ISA,
-                data_mix=f"{{a: {data / 'a'}, b: {data / 'b'}}}", **SETTINGS)
+    result = run_trainer(str(tmp_path), resume_from=resumed, data_path=str(data / "a"), env=PINNED_ISA,
+                         data_mix=f"{{a: {data / 'a'}, b: {data / 'b'}}}", **SETTINGS)
     with open(os.path.join(FIXTURE, "after_step3.json")) as f:
         expected = json.load(f)
     for tag, values in expected.items():
@@ -73,17 +73,21 @@ def test_a_checkpoint_written_before_issue_50_resumes_bitwise(tmp_path):
     assert after["data"]["mixture"]["segment"] == before["data"]["mixture"]["segment"]
     assert after["data"]["mixture"]["supplied"] == {"a": 16, "b": 8}
     assert len(after["moe"]["load"]) == 2 and after["wandb_run_id"] is None
+    # it counted no tokens: taken as its 3 steps' (4 rows of 16 tokens each), and counted on from there
+    assert "note: the checkpoint predates its count of tokens seen: taken as 3 steps x train_batch 4 x block_size " \
+        "16 = 192" in result.stdout
+    assert after["data"]["tokens"] == 6 * 4 * 16
 
 
-def owners(cfg, model, step: int = 0) -> dict:
-    """The trainer's owners of state beside the weights (train_fsdp.py's ckpt.keep), fresh, for a run
-    that continues after `step`."""
+def owners(cfg, model, step: int = 0, block_size: int = 16) -> dict:
+    """The trainer's owners of state beside the weights (RunState, as train_fsdp.py makes them), fresh,
+    for a run that continues after `step`."""
     sources = {name: (os.path.join(FIXTURE, "data", name), read_json(os.path.join(FIXTURE, "data", name, "meta.json"),
                                                                       "")) for name in "ab"}
     cpu = torch.device("cpu")
-    return dict(data=BatchLoader(sources, 16, 4, 2, 0, 1, 50, cpu, Segment(0, {"a": 2.0, "b": 1.0}, {"a": 0, "b": 0}),
-                                 step=step),
-                spikes=SpikeDetector(cpu, 6.0, 4), moe=ExpertBalance(model, 0.01, cpu), wandb_run_id=WandbRunId(cfg))
+    loader = BatchLoader(sources, block_size, 4, 2, 0, 1, 50, cpu, Segment(0, {"a": 2.0, "b": 1.0}, {"a": 0, "b": 0}),
+                         step=step)
+    return vars(RunState.of(cfg, loader, model, cpu))
 
 
 def test_every_owner_gets_back_what_it_kept(one_process_group, tmp_path):
@@ -107,3 +111,26 @@ def test_every_owner_gets_back_what_it_kept(one_process_group, tmp_path):
     resuming.keep(**resumed)
     for name, owner in kept.items():
         assert owner.state() and resumed[name].state() == owner.state(), name
+    assert kept["data"].state()["tokens"] == 3 * 4 * 16
+    # the count goes on from the checkpoint's where the rows grow on resume (a longer context)
+    longer = owners(cfg, model, step=3, block_size=32)["data"]
+    longer.load(kept["data"].state())
+    assert longer.tokens(5) == 3 * 4 * 16 + 2 * 4 * 32
+
+
+def test_the_inspector_reads_a_checkpoint_written_before_issue_50():
+    """python fsdp_ckpt.py on the fixture: its tokens seen taken from its step (it counted none), its
+    world size not recorded, the rest as for any checkpoint."""
+    ckpt = torch.load(os.path.join(FIXTURE, "fsdp_cpt3.pth"), weights_only=True)
+    with torch.device("meta"):
+        gpt = GPT(GPTConfig(**ckpt["model_config"]))
+    report, complete = inspect(os.path.join(FIXTURE, "fsdp_cpt3.pth"), verify=True)
+    assert complete and report.endswith("\n  complete     yes: one file under its final name, its checksum matches")
+    for line in ["  tokens seen  192 (taken as 3 steps x train_batch 4 x block_size 16: the checkpoint predates its count)",
+                 "  written by   ranks not recorded (the checkpoint predates it), FULL_SHARD; full format",
+                 "  model        Qwen3-MoE, 2 layers x 16 wide, 2 heads (1 key/value), 2 experts (top 1), context 16, "
+                 f"vocabulary 256: {gpt.num_params():,} parameters ({gpt.num_params() - gpt.idle_expert_params():,} "
+                 "active a token)",
+                 "  data         mixture a: data/a, b: data/b, seed 50: step 4's batch next; rows supplied: a 8, b 4; "
+                 "weights a 2, b 1 from row 0"]:
+        assert f"\n{line}\n" in report, report

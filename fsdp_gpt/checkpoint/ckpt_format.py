@@ -130,8 +130,9 @@ def save_atomically(obj: dict, path: str) -> None:
         os.close(dir_fd)
 
 
-def read_verified(path: str, mmap: bool = False) -> dict:
-    """torch.load(weights_only=True), then the checksum written with the file."""
+def read_verified(path: str, mmap: bool = False, checksum: bool = True) -> dict:
+    """torch.load(weights_only=True), then (unless checksum is off: a look at the header, the tensors
+    memory-mapped and unread) the checksum written with the file."""
     if not os.path.isfile(path):
         raise CorruptCheckpoint(f"checkpoint file not found: {path}")
     try:
@@ -141,7 +142,8 @@ def read_verified(path: str, mmap: bool = False) -> dict:
     except Exception as e:  # torch raises RuntimeError, UnpicklingError, EOFError... for damaged files
         raise CorruptCheckpoint(f"checkpoint {path} is corrupt or truncated ({str(e).splitlines()[0][:120]}); "
                         f"resume from an earlier checkpoint")
-    if not isinstance(obj, dict) or obj.pop("crc32", None) != _crc32(obj):
+    written = obj.pop("crc32", None) if isinstance(obj, dict) else None
+    if not isinstance(obj, dict) or (checksum and written != _crc32(obj)):
         raise CorruptCheckpoint(f"checkpoint {path} is corrupt: its checksum does not match its contents; "
                         f"resume from an earlier checkpoint")
     return obj
@@ -284,7 +286,7 @@ def consolidate(shard_file: str, out_path: str) -> None:
     first = files[0]
     state = {name: {key: _whole([f["optimizer"][name][key] for f in files]) if isinstance(value, dict) else value
                     for key, value in saved.items()} for name, saved in first["optimizer"].items()}
-    header = {k: first[k] for k in ("step", "model_config", "config", "train_state")}
+    header = {k: first[k] for k in ("step", "world_size", "model_config", "config", "train_state")}
     save_atomically(header | {"model": _whole_model(files),
                               "optimizer": {"state": state, "param_groups": first["param_groups"]}}, out_path)
 

@@ -1,10 +1,8 @@
 """Checkpoint manager: saves and resumes a run's full or sharded checkpoints (ckpt_format.py has
 the files), collectives included: every rank calls every method at the same point.
 
-Both formats carry `step`, `model_config`, `config` (resolved) and `train_state`. Data position
-and dropout RNG are functions of (seed, step, rank), so `step` restores both; train_state holds
-what the loop's owners of state keep beside the weights, each under its name (keep()): a mixture's
-segment and rows supplied (data), the spike window, the experts' last figures, the wandb run.
+What a checkpoint holds beside the tensors, and which owners of state it keeps (keep()), is
+listed in run_state.py.
 """
 import glob
 import os
@@ -22,7 +20,8 @@ from fsdp_gpt.checkpoint.ckpt_format import (
     read_sharded, save_atomically, shard_path, WriteFailed)
 from fsdp_gpt.checkpoint.ckpt_index import build_index, check_file, check_whole, files_to_open, layout, model_key, wanted_rows
 from fsdp_gpt.checkpoint.run_lock import RunLock
-from fsdp_gpt.config import RunStopped, UserError, to_dict
+from fsdp_gpt.checkpoint.run_state import header
+from fsdp_gpt.config import RunStopped, UserError
 from fsdp_gpt.distributed.float8 import plain
 from fsdp_gpt.distributed.launch import agree
 from fsdp_gpt.distributed.shards import local_slice, zero_rows
@@ -91,11 +90,9 @@ class CheckpointManager:
             agree(lambda: os.makedirs(os.path.join(self.dir, "hang"), exist_ok=True))
 
     def keep(self, **owners) -> None:
-        """What a checkpoint keeps beside the weights, in one place: each owner, under its name in
-        train_state, offers state() (what to keep, alike on every rank) and load(state) (its part of
-        the resumed checkpoint, None for a fresh run or a checkpoint written before it kept any;
-        a note it returns is printed). Loaded now, in this order on every rank (a load may be a
-        collective); saved with every checkpoint."""
+        """What a checkpoint keeps beside the weights (run_state.RunState's owners, each under its name
+        in train_state): loaded now, in this order on every rank (a load may be a collective; a note it
+        returns is printed), saved with every checkpoint."""
         self.owners = owners
         for name, owner in owners.items():
             note = owner.load(self.train_state.get(name))
@@ -103,18 +100,12 @@ class CheckpointManager:
                 print(f"note: {note}", flush=True)
 
     # ---- saving ----
-    def _header(self, step: int) -> dict:
-        cfg = self.cfg
-        kept = {name: owner.state() for name, owner in self.owners.items()}
-        return {"step": step, "model_config": cfg.model_shape | {"dropout": cfg.dropout}, "config": to_dict(cfg),
-                "train_state": {"next_step": step + 1, "seed": cfg.seed} | kept}
-
     def save(self, step: int, model, optimizer) -> None:
         """Copy the state off the training tensors, then write it (in the background with async_save),
         with what the owners keep (keep()). A state holding a non-finite value is never written:
         every rank stops instead."""
         self.wait()  # one save in flight at a time
-        header = self._header(step)  # on every rank: an owner's state() may read its device
+        fields = header(self.cfg, step, self.topo.world_size, self.owners)  # every rank: a state() may read its device
         self._refuse_non_finite(step, model, optimizer)
         if self.cfg.checkpoint_type == "full":
             # collectives on every rank; rank 0 alone receives the full dicts (host copies) and writes
@@ -124,12 +115,11 @@ class CheckpointManager:
             path, marker = full_path(self.dir, step), None
             if self.cfg.async_save:  # a 1-rank gather may alias the live tensors: own the bytes
                 state = tree_map_only(torch.Tensor, torch.clone, state)
-            writes = [(header | state, path)] if self.topo.is_main else []
+            writes = [(fields | state, path)] if self.topo.is_main else []
         else:
-            state = sharded_state(model, optimizer, self.topo.rank) | {
-                "rank": self.topo.rank, "world_size": self.topo.world_size}
+            state = sharded_state(model, optimizer, self.topo.rank) | {"rank": self.topo.rank}
             path, marker = shard_path(self.dir, step, self.topo.rank), marker_path(self.dir, step)
-            writes = [(header | state, path)]
+            writes = [(fields | state, path)]
             # an older set of this step (a fresh start in a used folder) stops being visible before any
             # rank replaces its files: a mix of old and new files is never claimed complete
             agree(lambda: os.remove(marker) if self.topo.is_main and os.path.exists(marker) else None)

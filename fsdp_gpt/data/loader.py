@@ -99,8 +99,10 @@ class BatchLoader:
     that open a document (the separator), found in the host's copy of the rows: where the documents
     lie is known without reading the device back. Without doc_mask, opens is None.
 
-    What a checkpoint keeps of the data (state(), load()): a mixture's segment and the rows each
-    source supplied by the last step served; one dataset's position is a function of (seed, step) alone.
+    What a checkpoint keeps of the data (state(), load()): the tokens trained on so far (counted, not
+    derived from the step: a resume may change block_size or train_batch), and a mixture's segment and
+    the rows each source supplied by the last step served; one dataset's position is a function of
+    (seed, step) alone.
     """
 
     def __init__(self, sources: dict[str, tuple[str, dict]], block_size: int, train_batch: int, micro_batch: int,
@@ -110,6 +112,8 @@ class BatchLoader:
         """step: the step a resumed run continues after (0: a fresh one)."""
         self.block_size, self.train_batch, self.micro_batch = block_size, train_batch, micro_batch
         self.step = step  # the last step whose batches were served: what state() keeps
+        # tokens of the steps up to resumed_at: the checkpoint's count (load()), or derived from the step
+        self.resumed_at, self.tokens_before = step, step * train_batch * block_size
         self.dp_rank, self.dp_size, self.seed, self.device = dp_rank, dp_size, seed, device
         self.pieces = pieces or [(0, block_size)]
         self.positions = positions_of(self.pieces).to(device)
@@ -146,19 +150,30 @@ class BatchLoader:
         """Rows drawn from the mixture of `segment` from here on."""
         self.mixture = self.sampler = Mixture(self.names, self.windows, segment, self.seed, self.train_batch, self.starts)
 
+    def tokens(self, step: int) -> int:
+        """Tokens trained on up to and including step `step`, over every rank."""
+        return self.tokens_before + (step - self.resumed_at) * self.train_batch * self.block_size
+
     def state(self) -> dict:
         """What a checkpoint of the last step served keeps of the data."""
-        return {} if self.mixture is None else {"mixture": self.mixture.state(self.step)}
+        mixture = {} if self.mixture is None else {"mixture": self.mixture.state(self.step)}
+        return {"tokens": self.tokens(self.step)} | mixture
 
     def load(self, state: dict | None) -> str | None:
-        """A resumed run's data: a mixture continues the checkpoint's segment, or starts a new one where
-        it left off when data_weights changed (the note returned says so)."""
-        if self.mixture is None:
-            return None
-        segment, note = resumed_segment(self.names, self.mixture.segment.weights, (state or {}).get("mixture"),
-                                        self.step, self.train_batch)
-        self._follow(segment)
-        return note
+        """A resumed run's data: its tokens so far (derived from the step where a checkpoint predates the
+        count), and a mixture continues the checkpoint's segment, or starts a new one where it left off
+        when data_weights changed (the notes returned say so)."""
+        state, notes = state or {}, []
+        self.tokens_before = state.get("tokens", self.tokens_before)
+        if self.resumed_at and "tokens" not in state:
+            notes.append(f"the checkpoint predates its count of tokens seen: taken as {self.resumed_at} steps x "
+                         f"train_batch {self.train_batch} x block_size {self.block_size} = {self.tokens_before:,}")
+        if self.mixture is not None:
+            segment, note = resumed_segment(self.names, self.mixture.segment.weights, state.get("mixture"),
+                                            self.step, self.train_batch)
+            self._follow(segment)
+            notes += [note] if note else []
+        return "; ".join(notes) or None
 
     def _host_rows(self, split: str, chunk: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
         """(rows, 2, tokens): each row's inputs, then its targets (the next tokens), over this rank's pieces."""
@@ -245,12 +260,14 @@ class BatchLoader:
                 for name, starts, tokens in zip(self.names, self.starts, self.splits["train"]) if starts is not None}
 
     def scalars(self, step: int) -> dict[str, float]:
-        """A mixture's progress after step `step`, as TensorBoard scalars: data/{name}/epoch and /tokens."""
-        if self.mixture is None:
-            return {}
-        supplied, epochs = self.mixture.supplied(step), self.mixture.epochs(step)
-        return {f"data/{name}/{what}": value for name in self.names
-                for what, value in (("epoch", epochs[name]), ("tokens", supplied[name] * self.block_size))}
+        """The progress after step `step`, as TensorBoard scalars: data/tokens (trained on so far), and a
+        mixture's data/{name}/epoch and /tokens."""
+        figures = {"data/tokens": self.tokens(step)}
+        if self.mixture is not None:
+            supplied, epochs = self.mixture.supplied(step), self.mixture.epochs(step)
+            figures |= {f"data/{name}/{what}": value for name in self.names
+                        for what, value in (("epoch", epochs[name]), ("tokens", supplied[name] * self.block_size))}
+        return figures
 
     def position(self, step: int) -> str:
         """Where in the data step `step` read, in words (the guard's stop line names it)."""

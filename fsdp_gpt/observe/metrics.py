@@ -1,5 +1,5 @@
-"""Rank-0 progress reporting: console line, TensorBoard (and wandb) scalars, MFU, memory, each
-rank's time."""
+"""Rank-0 progress reporting: console line, TensorBoard (and wandb) scalars and the same figures as
+JSON lines (figures_file.py), MFU, memory, each rank's time."""
 import glob
 import math
 import os
@@ -13,6 +13,7 @@ import torch.distributed as dist
 from fsdp_gpt.compat import all_gather_flat
 from fsdp_gpt.distributed.shards import local_part
 from fsdp_gpt.distributed.peak_flops import cpu_peak_flops, gpu_peak_flops
+from fsdp_gpt.observe.figures_file import FiguresFile
 from fsdp_gpt.observe.step_times import COLUMNS as TIME_COLUMNS
 from fsdp_gpt.observe.wandb_log import WandbRun
 
@@ -81,11 +82,12 @@ def shown(form: str):
 
 
 # The console line, field by field after "step s/max": (a figure, how it shows), in the line's order.
-# Every figure a log step has reaches TensorBoard and wandb; the console shows those named here,
+# Every figure a log step has reaches TensorBoard, wandb and metrics.jsonl (what programs read: the
+# console line is for people, free to change); the console shows those named here,
 # where the step has them (a form returning "" shows nothing). A figure a maintainer adds (an
 # owner's scalars(), or one computed in ProgressLog.train) shows on the console by a row here and
 # nowhere else. Beside the scalars a line has values of its own: "mfu" (None where the peak is
-# unknown), "eta_s", "spikes" ((step, z) since the last line) and "slowest" (the lagging rank, its
+# unknown), "spikes" ((step, z) since the last line) and "slowest" (the lagging rank, its
 # ratio to the median, its data and compute ms a step; None where no rank lags).
 CONSOLE = [
     ("train/loss", shown("loss {:.4f}")),
@@ -95,7 +97,7 @@ CONSOLE = [
     # on CPU every memory column but state is the process's peak RSS: one figure is enough
     ("mem/peak_gb", lambda gb, line: f"mem {gb:.2f} GB" + (
         f" ({line['mem/reserved_gb']:.2f} reserved)" if line["mem/reserved_gb"] != gb else "")),
-    ("eta_s", lambda seconds, line: f"ETA {_duration(seconds)}"),
+    ("perf/eta_s", lambda seconds, line: f"ETA {_duration(seconds)}"),
     ("train/skipped_steps", lambda skipped, line: f"skipped {skipped}" if skipped else ""),
     # the worst MoE layer's: docs/models.md
     ("moe/busiest", lambda busiest, line: f"experts busiest {busiest:.2f}x, idle {100 * line['moe/idle']:.0f}%"),
@@ -113,7 +115,7 @@ def console_fields(line: dict) -> str:
 
 
 class ProgressLog:
-    """Created on every rank; only rank 0 prints and writes TensorBoard events."""
+    """Created on every rank; only rank 0 prints and writes TensorBoard events and metrics.jsonl."""
 
     def __init__(self, enabled: bool, cfg, tokens_per_step: int, flops_per_token: int, device: torch.device,
                  dtype: torch.dtype, world_size: int, resumed_at: int = 0, wandb_id: str | None = None):
@@ -123,11 +125,12 @@ class ProgressLog:
         self.enabled, self.max_iters, self.straggler_ratio = enabled, cfg.max_iters, cfg.straggler_ratio
         self.spike_skip = cfg.spike_skip
         self.tokens_per_step, self.flops_per_token, self.peak_flops = tokens_per_step, flops_per_token, None
-        self.writer = self.wandb = None
+        self.writer = self.wandb = self.figures = None
         if enabled:  # the other ranks neither log nor measure (a CPU's peak is measured, not looked up)
             from torch.utils.tensorboard import SummaryWriter
             os.makedirs(cfg.tensorboard_dir, exist_ok=True)
             self.writer = SummaryWriter(log_dir=cfg.tensorboard_dir, purge_step=resumed_at + 1 if resumed_at else None)
+            self.figures = FiguresFile(cfg.tensorboard_dir, resumed_at)
             self.wandb = wandb_id and WandbRun(cfg, wandb_id)
             if device.type == "cuda":
                 peak = gpu_peak_flops(device, dtype)
@@ -146,9 +149,10 @@ class ProgressLog:
         """Begin timing from `step` (after start-up, eval and resume)."""
         self.mark_time, self.mark_step = time.perf_counter(), step
 
-    def _write(self, scalars: dict[str, float], step: int) -> None:
+    def _write(self, kind: str, scalars: dict[str, float], step: int) -> None:
         for tag, value in scalars.items():
             self.writer.add_scalar(tag, value, step)
+        self.figures.write(kind, step, scalars)
         if self.wandb:
             self.wandb.log(scalars, step)
 
@@ -185,12 +189,12 @@ class ProgressLog:
             # the run itself reached is a peak too, so the figure never passes 100%
             self.peak_flops = max(self.peak_flops, tokens_per_sec * self.flops_per_token)
             mfu = scalars["perf/mfu"] = tokens_per_sec * self.flops_per_token / self.peak_flops
-        self._write(scalars, step)
+        scalars["perf/eta_s"] = step_time * (self.max_iters - step)
+        self._write("train", scalars, step)
         lag = None
         if ratio > self.straggler_ratio:
             lag = (slowest, ratio, *(1e3 * t for t in times[slowest, :2].tolist()))
-        line = scalars | {"mfu": mfu, "eta_s": step_time * (self.max_iters - step), "spikes": spikes, "slowest": lag,
-                          "spike_skip": self.spike_skip}
+        line = scalars | {"mfu": mfu, "spikes": spikes, "slowest": lag, "spike_skip": self.spike_skip}
         print(f"step {step}/{self.max_iters}{console_fields(line)}", flush=True)
 
     def val(self, step: int, loss: float, sample: str, per_source: dict[str, float], mc: dict[str, dict]) -> None:
@@ -201,7 +205,7 @@ class ProgressLog:
         scalars = {"val/loss": loss, "val/perplexity": math.exp(loss)}
         scalars |= {f"val/loss/{name}": value for name, value in per_source.items()}
         scalars |= {f"eval/{name}/{metric}": value for name, scores in mc.items() for metric, value in scores.items()}
-        self._write(scalars, step)
+        self._write("val", scalars, step)
         # indented: TensorBoard renders text as markdown, this keeps it verbatim
         if sample:
             self.writer.add_text("val/sample", "\n".join("    " + line for line in sample.splitlines()), step)
@@ -214,6 +218,7 @@ class ProgressLog:
         if not self.enabled:
             return
         self.writer.close()
+        self.figures.close()
         if self.wandb:
             self.wandb.close()
         memory = per_rank if self.run_peak is None else torch.maximum(self.run_peak, per_rank)
