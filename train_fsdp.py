@@ -125,7 +125,7 @@ def train(cfg) -> int:
     watchdog.arm("the resume")
     step = ckpt.resume(cfg.resume_from, model, optimizer)
     loader = open_loader(cfg, sources, topo, step)
-    fp8_scales = Float8Scales(gpt)  # the FP8-gathered weights' scales, of the weights as resumed, then after each step
+    fp8_scales = Float8Scales(gpt)  # the FP8-gathered weights' scales, after each optimizer step
     spikes = SpikeDetector(device, cfg.spike_zscore, cfg.spike_window)
     balance = ExpertBalance(gpt, cfg.moe_bias_rate, device)  # the experts' loads (and biases) after each step
     wandb_run = WandbRunId(cfg)
