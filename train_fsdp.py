@@ -118,6 +118,7 @@ def train(cfg) -> int:
     mc_sets = load_mc_sets(cfg, topo)
     if topo.is_main:
         describe_run(cfg, topo, accum_steps, dtype)
+        print(watchdog.bounds(), flush=True)
     model = build_model(cfg, GPTConfig.of(cfg), topo)
     gpt = getattr(model, "module", model)  # the GPT under a DDP wrapper; FSDP2 keeps the module itself
     optimizer = build_optimizer(cfg, gpt, device)
