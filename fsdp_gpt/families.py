@@ -263,7 +263,7 @@ def gemma3_keys(config: dict) -> dict:
                 bias=False, head_dim=None if head_dim * n_head == n_embd else head_dim,
                 rope_theta=float((rope.get("full_attention") or {}).get("rope_theta") or config.get("rope_theta") or 1e6),
                 rope_local_theta=float((rope.get("sliding_attention") or {}).get("rope_theta")
-                                       or config.get("rope_local_base_freq") or 1e4),
+                                       or config.get("rope_local_base_freq") or 1e4) if "local" in kinds else None,
                 sliding_window=config["sliding_window"] if "local" in kinds else None,
                 window_pattern=kinds[:period] if "local" in kinds and "global" in kinds else None,
                 attn_scale_dim=None if scale_dim == head_dim else scale_dim, qk_norm=True, mlp="geglu",
