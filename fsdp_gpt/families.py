@@ -58,7 +58,7 @@ class Family:
     # more of the layout, where a family differs from most
     qk_norm: bool = False  # q and k normalised per head where the qk_norm key is null
     norm_after: bool = False  # each sublayer's output normalised too, before the residual add (four norms a block)
-    embed_scale: bool = False  # token embeddings times sqrt(n_embd), rounded to their dtype
+    embed_scale: bool = False  # token embeddings times sqrt(n_embd) (in fp32, whatever their dtype)
 
 
 # what no class below computes: an export of a model with them is refused, naming the key
