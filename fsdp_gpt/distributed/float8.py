@@ -123,10 +123,10 @@ def convert(model: nn.Module, cfg, wrap: str, shard_ranks: int = 1) -> str:
     gathered = {name for name in picked
                 if float8_all_gather(cfg, wrap) and evenly_sharded(linears[name], shard_ranks)}
     for names, all_gather in ((gathered, True), (picked - gathered, False)):
-        if not names:  # torchao refuses a config of float8 all-gather for rowwise scales
-            continue
-        config = dataclasses.replace(recipe, enable_fsdp_float8_all_gather=all_gather)
-        float8.convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn, names=names: fqn in names)
+        if names:  # (torchao refuses a config of float8 all-gather with rowwise scales, even for none)
+            config = dataclasses.replace(recipe, enable_fsdp_float8_all_gather=all_gather)
+            float8.convert_to_float8_training(model, config=config,
+                                              module_filter_fn=lambda m, fqn, names=names: fqn in names)
     return note(cfg, wrap, gathered, shard_ranks, linears, picked, len(model.moe_layers()))
 
 

@@ -3,8 +3,9 @@
 The loop tells the watchdog which phase it enters (start-up, a training step, an eval, a save) and
 how long that phase may take: `init_timeout` for start-up, evals and saves, `collective_timeout` for
 every training step but a compiled run's first (its blocks compile between its collectives, and a
-rank still compiling keeps the others waiting in them: `init_timeout`). Start-up says which. A thread on every rank wakes each second; when
-its rank's phase overruns, or another rank has said in the store that its own did, it
+rank still compiling keeps the others waiting in them: `init_timeout`); start-up says which. A
+thread on every rank wakes each second; when its rank's phase overruns, or another rank has said in
+the store that its own did, it
 
 1. says in the store that a hang is being reported (every rank's thread looks each second: ranks
    a step apart at a boundary report together), and where its main thread is: waiting in a
