@@ -31,14 +31,14 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def add_legacy_keys(path: str, keys: dict, dtype: str) -> None:
-    """transformers 5 writes RoPE's settings into rope_parameters and the dtype as `dtype`, which
-    transformers 4 does not read (it would run plain RoPE at theta 10,000): the 4.x keys go beside
-    them, with the same values, so that both load the same model."""
+    """transformers 5 writes RoPE's settings into rope_parameters (per layer type for Gemma 3) and the
+    dtype as `dtype`, and drops the keys it reads no more, which transformers 4 reads alone (it would
+    run plain RoPE at theta 10,000, Gemma 3's local layers at 10,000): every key of `keys` (hf_config:
+    what each supported transformers reads, the experts' count under both versions' names) goes
+    beside them, with the same values, so that both load the same model."""
     with open(path) as f:
         config = json.load(f)
-    # and the experts' count under both versions' names
-    legacy = {k: keys[k] for k in ("rope_theta", "rope_scaling", "num_experts", "num_local_experts") if k in keys}
-    config |= legacy | {"torch_dtype": {"fp32": "float32", "bf16": "bfloat16"}[dtype]}
+    config |= keys | {"torch_dtype": {"fp32": "float32", "bf16": "bfloat16"}[dtype]}
     with open(path, "w") as f:
         json.dump(config, f, indent=2)
 

@@ -117,6 +117,7 @@ def train(cfg) -> int:
     mc_sets = load_mc_sets(cfg, topo)
     if topo.is_main:
         describe_run(cfg, topo, accum_steps, dtype)
+        print(watchdog.bounds(), flush=True)
     model = build_model(cfg, GPTConfig.of(cfg), topo)
     gpt = getattr(model, "module", model)  # the GPT under a DDP wrapper; FSDP2 keeps the module itself
     optimizer = build_optimizer(cfg, gpt, device)
@@ -124,7 +125,7 @@ def train(cfg) -> int:
     watchdog.arm("the resume")
     step = ckpt.resume(cfg.resume_from, model, optimizer)
     loader = open_loader(cfg, sources, topo, step)
-    fp8_scales = Float8Scales(gpt)  # the FP8-gathered weights' scales, of the weights as resumed, then after each step
+    fp8_scales = Float8Scales(gpt)  # the FP8-gathered weights' scales, after each optimizer step
     kept = RunState.of(cfg, loader, gpt, device)  # what every checkpoint keeps beside the weights
     ckpt.keep(**vars(kept))
     spikes, balance, wandb_run = kept.spikes, kept.moe, kept.wandb_run_id

@@ -164,8 +164,8 @@ class TrainConfig(ModelKeys):
     wandb_project: str | None = key(None, "also log to this Weights & Biases project (pip install wandb; rank 0)")
     wandb_entity: str | None = key(None, "the wandb team or user; null: wandb's default")
     wandb_name: str | None = key(None, "the wandb run's display name; null: wandb's")
-    init_timeout: float = key(900.0, "seconds start-up (after data preparation), the first step (compilation), "
-                                     "each eval and each save may take before the run stops as hung "
+    init_timeout: float = key(900.0, "seconds start-up (after data preparation), each eval, each save and a "
+                                     "compiled run's first step (compilation) may take before the run stops as hung "
                                      "(docs/reliability.md)")
     collective_timeout: float = key(300.0, "seconds any other training step, its collectives included, may take "
                                            "before the run stops as hung, naming the ranks that did not arrive")

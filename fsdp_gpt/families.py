@@ -58,7 +58,7 @@ class Family:
     # more of the layout, where a family differs from most
     qk_norm: bool = False  # q and k normalised per head where the qk_norm key is null
     norm_after: bool = False  # each sublayer's output normalised too, before the residual add (four norms a block)
-    embed_scale: bool = False  # token embeddings times sqrt(n_embd), rounded to their dtype
+    embed_scale: bool = False  # token embeddings times sqrt(n_embd) (in fp32, whatever their dtype)
 
 
 # what no class below computes: an export of a model with them is refused, naming the key
@@ -263,7 +263,7 @@ def gemma3_keys(config: dict) -> dict:
                 bias=False, head_dim=None if head_dim * n_head == n_embd else head_dim,
                 rope_theta=float((rope.get("full_attention") or {}).get("rope_theta") or config.get("rope_theta") or 1e6),
                 rope_local_theta=float((rope.get("sliding_attention") or {}).get("rope_theta")
-                                       or config.get("rope_local_base_freq") or 1e4),
+                                       or config.get("rope_local_base_freq") or 1e4) if "local" in kinds else None,
                 sliding_window=config["sliding_window"] if "local" in kinds else None,
                 window_pattern=kinds[:period] if "local" in kinds and "global" in kinds else None,
                 attn_scale_dim=None if scale_dim == head_dim else scale_dim, qk_norm=True, mlp="geglu",

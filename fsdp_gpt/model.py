@@ -275,8 +275,9 @@ class GPT(nn.Module):
         if positions is None:
             positions = torch.arange(T, device=idx.device)
         x = self.wte(idx)
-        if self.config.family.embed_scale:  # Gemma's sqrt(n_embd), rounded to the embeddings' dtype as transformers does
-            x = x * float(torch.tensor(math.sqrt(self.config.n_embd), dtype=x.dtype))
+        if self.config.family.embed_scale:  # Gemma's sqrt(n_embd) in fp32, whatever dtype the embeddings come in
+            # (FSDP2 gathers them in bf16): transformers' value for an fp32 folder, as export_hf.py writes
+            x = x * float(torch.tensor(math.sqrt(self.config.n_embd), dtype=torch.float32))
         x, ropes = POSITIONS[self.config.family.positions](self, x, positions)
         x = self.drop(x)
         if compute := autocast_dtype(x.device):

@@ -13,7 +13,8 @@ computed in fp32 (test_ring_attention.py on the CPU; test_gpu.py runs it on CUDA
 - "ring kernels, documents": the ring of one rank (its kernels and per-document rectangles).
 - "window", "window, documents": a sliding window of 48 (CUDA: the flash kernel's window, by varlen;
   elsewhere banded_attention and the per-document groups); "window, ring" (and with documents): the
-  ring's windowed tiles (distributed/window_ring.py) at one rank.
+  ring's windowed tiles (distributed/window_ring.py) at one rank (where the ring itself, at cp_size 1,
+  runs the window as above).
 Grouped-query heads (4 over 2) throughout.
 """
 import json
@@ -112,7 +113,8 @@ def largest_differences(device: str, dtype: torch.dtype) -> dict[str, float]:
         expected = reference(q, k, v, dout, (documents if rows else causal) & band)
         got["window" + case] = (with_autograd(lambda *t: causal_attention(*t, 0.0, True, rows, WINDOW), q, k, v, dout),
                                 expected)
-        got["window, ring" + case] = (with_autograd(lambda *t: ring(*t, 0.0, True, rows, WINDOW), q, k, v, dout), expected)
+        got["window, ring" + case] = (with_autograd(lambda *t: ring.window_tiles(*t, rows, WINDOW, None), q, k, v, dout),
+                                      expected)
     # relative to each tensor's largest entry: bf16 rounds at ~4e-3 of a value
     return {case: max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(ours, theirs))
             for case, (ours, theirs) in got.items()}

@@ -66,6 +66,11 @@ def one_line(code, capsys, *phrases):
      ["window_pattern must be a list of local and global", "got ['local', 'sliding']"]),
     ({"window_pattern": "[local, global]"}, ["window_pattern names local layers for sliding_window: set it"]),
     ({"rope_local_theta": 10000.0}, [f"rope_local_theta=10000.0 needs arch: {archs_taking('rope_local_theta')} (GPT-2"]),
+    # no local layer: a Gemma 3 run (or its checkpoint resumed) without its window, or all layers global
+    ({"arch": "gemma3", "rope_local_theta": 20000.0}, ["rope_local_theta=20000 is the local layers' RoPE base, and no "
+                                                       "layer is local (sliding_window: null): make a layer local"]),
+    ({"arch": "gemma3", "rope_local_theta": 2e4, "sliding_window": 8, "window_pattern": "[global]"},
+     ["no layer is local (window_pattern ['global'] over 2 layers)", "or set rope_local_theta: null"]),
     ({"attn_scale_dim": 0}, ["attn_scale_dim must be positive (null: head_dim), got 0"]),
     ({"arch": "mamba"}, [f"arch 'mamba' is not one of {', '.join(ARCHS)}", "gpt2"]),
     ({"arch": "llama", "n_head": 4, "n_kv_head": 3}, ["n_kv_head=3 must divide n_head=4"]),

@@ -61,14 +61,14 @@ def qwen3_moe_folder(tmp_path_factory) -> str:
 def gemma3_folder(tmp_path_factory) -> str:
     """A small random Gemma3ForCausalLM saved by the transformers installed (5.x writes layer_types and
     rope_parameters, 4.51 the pattern and both bases): a local layer (a window of 16, shorter than
-    the runs' rows of 64) then a global one, another attention scale, a final soft cap; Gemma's kind
-    of tokenizer beside it."""
+    the runs' rows of 64) then a global one, a local RoPE base other than the default 10,000, another
+    attention scale, a final soft cap; Gemma's kind of tokenizer beside it."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
     folder = tmp_path_factory.mktemp("gemma3")
     config = Gemma3TextConfig(vocab_size=576, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
                               sliding_window=16, sliding_window_pattern=2, query_pre_attn_scalar=24, rope_theta=1e6,
-                              rope_local_base_freq=1e4, final_logit_softcapping=30.0, rms_norm_eps=1e-6)
+                              rope_local_base_freq=2e4, final_logit_softcapping=30.0, rms_norm_eps=1e-6)
     model = Gemma3ForCausalLM(config)
     with __import__("torch").no_grad():  # norms away from their zeros: (1 + weight) exercised
         for name, p in model.named_parameters():
@@ -245,7 +245,11 @@ def test_a_gemma3_folder_trains_with_no_model_keys_and_exports_as_it_came(gemma3
     """init_from a Gemma 3 folder: its keys (the window and pattern, both RoPE bases, the attention
     scale, the soft cap, q/k norms, four norms a block) from config.json alone; a step at learning rate
     0 exports the same weights, and the checkpoint's model computes transformers' logits on rows
-    longer than the window (within 1e-4)."""
+    longer than the window (within 1e-4); the export's config.json holds what transformers 4.5x reads
+    beside 5's keys: without 5's, the same model (its local base, 20,000, was 4.51's default 10,000)."""
+    import json
+    import shutil
+
     import torch
     import yaml
     from transformers import AutoModelForCausalLM
@@ -257,11 +261,17 @@ def test_a_gemma3_folder_trains_with_no_model_keys_and_exports_as_it_came(gemma3
     result = run(tmp_path, bare_config(tmp_path, tmp_path / "docs.jsonl"), init_from=gemma3_folder, **settings)
     assert result.returncode == 0, result.stderr[-3000:]
     for key, value in dict(arch="gemma3", sliding_window=16, window_pattern=["local", "global"], rope_theta=1000000.0,
-                           rope_local_theta=10000.0, attn_scale_dim=24, logit_softcap=30.0, qk_norm=True,
+                           rope_local_theta=20000.0, attn_scale_dim=24, logit_softcap=30.0, qk_norm=True,
                            mlp="geglu").items():
         assert "\n" + yaml.safe_dump({key: value}) in result.stdout, key  # the resolved config it prints
     tool("export_hf.py", tmp_path / "ckpt" / "fsdp_cpt1.pth", tmp_path / "hf")
-    original, exported = (AutoModelForCausalLM.from_pretrained(path).eval() for path in (gemma3_folder, tmp_path / "hf"))
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (config["rope_theta"], config["rope_local_base_freq"], config["sliding_window_pattern"]) == (1e6, 2e4, 2)
+    shutil.copytree(tmp_path / "hf", tmp_path / "hf_4")  # as transformers 4.5x reads it: without 5's keys
+    (tmp_path / "hf_4" / "config.json").write_text(json.dumps({k: v for k, v in config.items()
+                                                              if k not in ("rope_parameters", "layer_types")}))
+    original, exported, read_as_4 = (AutoModelForCausalLM.from_pretrained(path).eval()
+                                     for path in (gemma3_folder, tmp_path / "hf", tmp_path / "hf_4"))
     ours = load_gpt(str(tmp_path / "ckpt" / "fsdp_cpt1.pth"), torch.device("cpu"))[0]
     assert all(torch.equal(a, exported.state_dict()[name]) for name, a in original.state_dict().items())
     idx = torch.randint(0, 500, (2, 64), generator=torch.Generator().manual_seed(0))
@@ -269,6 +279,7 @@ def test_a_gemma3_folder_trains_with_no_model_keys_and_exports_as_it_came(gemma3
         expected = original(idx).logits
         torch.testing.assert_close(ours(idx)[0], expected, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(exported(idx).logits, expected, rtol=0, atol=0)
+        torch.testing.assert_close(read_as_4(idx).logits, expected, rtol=0, atol=0)
 
 
 @pytest.mark.compat

@@ -7,13 +7,15 @@ import socket
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from fsdp_gpt.checkpoint import run_lock
 from conftest import DEMO, ROOT, RUN, TINY, figures, free_port, overrides, run_trainer, scalars
-from fsdp_gpt.config import UserError
+from fsdp_gpt.config import TrainConfig, UserError
+from fsdp_gpt.resilience.watchdog import Watchdog
 
 PROBE = os.path.join(ROOT, "tests", "hang_probe.py")
 
@@ -24,19 +26,23 @@ def error_lines(text: str) -> list[str]:
 
 # ---- a rank that stops, deadlocks or blocks ----
 @pytest.mark.slow
-@pytest.mark.parametrize("mode, named", [
-    ("stop", "rank 1 did not arrive: no answer (stopped, dead or unreachable)"),
-    ("deadlock", "rank 1 did not arrive: stuck at tests/hang_probe.py:"),
-    ("io", "rank 1 did not arrive: stuck at tests/hang_probe.py:")])
-def test_a_hung_rank_is_named_and_every_rank_leaves(mode, named, corpus, tmp_path):
+@pytest.mark.parametrize("mode, step, named", [
+    ("stop", 5, "rank 1 did not arrive: no answer (stopped, dead or unreachable)"),
+    ("deadlock", 5, "rank 1 did not arrive: stuck at tests/hang_probe.py:"),
+    # the first step of a run that compiles nothing falls under collective_timeout too
+    ("io", 1, "rank 1 did not arrive: stuck at tests/hang_probe.py:")])
+def test_a_hung_rank_is_named_and_every_rank_leaves(mode, step, named, corpus, tmp_path):
     started = time.monotonic()
     result = run_trainer(str(tmp_path), nproc=2, script=PROBE, check=False, timeout=120, collective_timeout=3,
-                         max_iters=20, save_interval=2, env=dict(HANG=mode, HANG_RANK="1", HANG_STEP="5"), **corpus)
+                         max_iters=20, save_interval=2, env=dict(HANG=mode, HANG_RANK="1", HANG_STEP=str(step)),
+                         **corpus)
     assert result.returncode == 1, result.stderr[-3000:]
     assert time.monotonic() - started < 3 + 60
+    assert ("watchdog: a hang is named after collective_timeout=3 s in any training step (the first included: nothing "
+            "compiles), init_timeout=900 s in start-up, an eval or a save") in result.stdout
     errors = error_lines(result.stderr)
     assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
-    assert errors[0].startswith("error: step 5 overran collective_timeout=3 s: rank 0 waits in "), errors[0]
+    assert errors[0].startswith(f"error: step {step} overran collective_timeout=3 s: rank 0 waits in "), errors[0]
     assert named in errors[0]
     hang = tmp_path / "ckpt" / "hang"
     stacks = sorted(os.listdir(hang))
@@ -66,6 +72,20 @@ def test_a_stopped_rank_under_torchrun_restarts_from_latest_and_finishes(corpus,
     assert f"resumed from {tmp_path / 'ckpt' / 'fsdp_cpt6.pth'} at step 6" in result.stdout
     expected = scalars(str(tmp_path / "uninterrupted" / "tb"), "train/loss")
     assert scalars(str(tmp_path / "tb"), "train/loss")[12] == expected[12]
+
+
+def test_the_first_step_of_a_compiled_run_alone_is_bounded_by_init_timeout(tmp_path):
+    """Its blocks compile between its collectives: a rank still compiling keeps the others waiting."""
+    topo = SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"), store=None)
+    for compiles, first_bound in ((False, (300.0, "collective_timeout")), (True, (900.0, "init_timeout"))):
+        watchdog = Watchdog(topo, TrainConfig(compile=compiles, checkpoint_dir=str(tmp_path)))
+        watchdog.arm_step(1, first=True)
+        assert watchdog.phase[1:3] == first_bound
+        watchdog.arm_step(2, first=False)
+        assert watchdog.phase[1:3] == (300.0, "collective_timeout")
+        watchdog.close()
+        assert ("init_timeout=900 s in the first (its blocks compile between its collectives)," in watchdog.bounds()) \
+            == compiles
 
 
 # ---- one run per checkpoint folder ----

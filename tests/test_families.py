@@ -121,6 +121,23 @@ def test_transformers_computes_the_same_logits_and_the_folder_reads_back(model, 
         assert torch.equal(back(idx)[0], expected)
 
 
+def test_gemma3_scales_its_embeddings_by_one_value_in_every_dtype():
+    """sqrt(48) is 6.9282 in fp32 and 6.9375 in bf16: the embeddings in fp32 (one process, DDP) and
+    in bf16 (FSDP2's gather) are both scaled by transformers' value for the fp32 export."""
+    cfg = GPTConfig(**SMALL | dict(n_embd=48), **MODELS["gemma3"][1])
+    ours = trained(cfg)
+    scale = hf_model(cfg, ours.state_dict()).model.embed_tokens.embed_scale.float().item()
+    assert scale != torch.tensor(scale).bfloat16().item()  # a width where bf16 rounds it otherwise
+    idx = torch.randint(0, 256, (2, 32))
+    entering = {}  # what the first block receives: the scaled embeddings
+    ours.blocks[0].register_forward_pre_hook(lambda block, args: entering.update({args[0].dtype: args[0]}))
+    with torch.no_grad():
+        for dtype in (torch.float32, torch.bfloat16):
+            ours.to(dtype)(idx)
+            expected = (ours.wte.weight[idx].float() * scale).to(dtype)
+            assert torch.equal(entering[dtype], expected), dtype
+
+
 @pytest.mark.parametrize("options, key", [
     (dict(arch="llama", logit_softcap=30.0), "logit_softcap: 30.0: LlamaForCausalLM has no logit soft cap"),
     (dict(arch="llama", mlp="relu2"), "mlp: relu2: LlamaForCausalLM computes swiglu MLPs only"),

@@ -23,12 +23,13 @@ from fsdp_gpt.distributed.ring_attention import ring_refusal
 @pytest.mark.parametrize("nproc", [2, 3, 4])
 def test_ring_attention_is_whole_row_attention(nproc, tmp_path):
     """Outputs and the gradients of q, k and v within float rounding of attention over whole rows,
-    with documents and with grouped and single key/value heads; nothing left in reference cycles (a
-    block in flight held until the garbage collector ran: activation memory grew with the ring's size)."""
+    with documents, with grouped and single key/value heads, and within sliding windows wider than a
+    chunk (at 4 ranks, more than two); nothing left in reference cycles (a block in flight held until
+    the garbage collector ran: activation memory grew with the ring's size)."""
     result = launch([os.path.join(ROOT, "tests", "ring_probe.py")], str(tmp_path), nproc)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
-    assert len(report) == 6
+    assert len(report) == 8
     for case, (largest, cycles) in report.items():
         assert largest < 1e-5 and cycles == 0, (case, largest, cycles)
 

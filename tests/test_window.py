@@ -88,10 +88,21 @@ def test_the_rings_window_tiles_compute_in_fp32_under_autocast():
     ring = RingAttention(None, 0, [torch.arange(T)])
     ring._windows[window] = WindowPlan(0, [np.arange(T)], window, tile=5)  # 8 tiles a row
     with torch.autocast("cpu", torch.bfloat16):
-        ours = with_grads(lambda q, k, v: ring(q, k, v, 0.0, True, None, window), tensors, dout)
+        ours = with_grads(lambda q, k, v: ring.window_tiles(q, k, v, None, window, None), tensors, dout)
     truth = with_grads(lambda q, k, v: dense(q, k, v, window_mask(T, window)), tensors, dout)
     for a, b in zip(ours, truth):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_the_ring_of_one_rank_runs_the_models_own_window():
+    """cp_mode: ring at cp_size 1 holds whole rows: a window shorter than them is the model's own
+    (the flash kernel's window on CUDA, the bands here), bitwise, and no tile is planned."""
+    from fsdp_gpt.distributed.ring_attention import RingAttention
+    T, window = 37, 8
+    q, k, v = qkv(T, seed=3)
+    ring = RingAttention(None, 0, [torch.arange(T)])
+    assert torch.equal(ring(q, k, v, 0.0, True, None, window), causal_attention(q, k, v, 0.0, True, None, window))
+    assert not ring._windows
 
 
 def test_the_band_grows_with_the_row_not_its_square():

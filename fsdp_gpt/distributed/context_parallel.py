@@ -40,7 +40,7 @@ def row_pieces(mode: str, cp_rank: int, cp_size: int, block_size: int) -> list[t
 
 def swaps_attention(cp_mode: str, cp_size: int) -> bool:
     """Whether a rank's attention core is swapped: context parallelism, or the ring at any cp_size
-    (at 1 its kernels alone, no passes)."""
+    (at 1 its kernels alone, no passes; within a window, the model's own)."""
     return cp_size > 1 or cp_mode == "ring"
 
 
@@ -110,7 +110,8 @@ class RowDocuments:
 def apply_context_parallel(gpt: GPT, mode: str, group, cp_size: int, cp_rank: int, block_size: int,
                            device: torch.device) -> None:
     """The attention cores (one object shared by every layer) and the documents' finder of a rank
-    of a context group. The ring runs at cp_size 1 too: one rank, no passes, its kernels alone."""
+    of a context group. The ring runs at cp_size 1 too: one rank, no passes, its kernels alone (a
+    window shorter than the row: the model's own windowed attention)."""
     core = UlyssesAttention(group, cp_size) if mode == "ulysses" else RingAttention(
         group, cp_rank, [row_positions(mode, rank, cp_size, block_size) for rank in range(cp_size)])
     for block in gpt.blocks:

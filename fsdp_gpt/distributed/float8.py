@@ -110,27 +110,50 @@ def chosen(recipe: str, layers: str, linear: nn.Linear) -> bool:
     return n % 16 == 0 and k % 16 == 0 and (layers == "all" or pays(recipe, n, k))
 
 
-def convert(model: nn.Module, cfg, wrap: str) -> str:
+def convert(model: nn.Module, cfg, wrap: str, shard_ranks: int = 1) -> str:
     """Swap the chosen linears for torchao's Float8Linear (on the meta device, before activation
     checkpointing, compile and fully_shard, as torchtitan does); returns the start-up line. FSDP2
     all-gathers their weights in FP8 under tensorwise (torchao's float8 all-gather: tensorwise only),
-    unless cpu_offload keeps the shards on the host: there each weight is gathered as the others are,
-    then cast."""
+    unless cpu_offload keeps the shards on the host, or a weight's rows don't divide by the shard
+    group's `shard_ranks`: there the weight is gathered as the others are, then cast."""
     float8 = torchao_float8()
-    all_gather = cfg.fp8 == "tensorwise" and wrap == "fsdp" and not cfg.cpu_offload
-    config = dataclasses.replace(float8.Float8LinearConfig.from_recipe_name(cfg.fp8), emulate=cfg.fp8_emulate,
-                                 enable_fsdp_float8_all_gather=all_gather)
+    recipe = dataclasses.replace(float8.Float8LinearConfig.from_recipe_name(cfg.fp8), emulate=cfg.fp8_emulate)
     linears = candidates(model)
     picked = {name for name, m in linears.items() if chosen(cfg.fp8, cfg.fp8_layers, m)}
-    float8.convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn in picked)
-    return note(cfg, wrap, all_gather, linears, picked, len(model.moe_layers()))
+    gathered = {name for name in picked
+                if float8_all_gather(cfg, wrap) and evenly_sharded(linears[name], shard_ranks)}
+    for names, all_gather in ((gathered, True), (picked - gathered, False)):
+        if names:  # (torchao refuses a config of float8 all-gather with rowwise scales, even for none)
+            config = dataclasses.replace(recipe, enable_fsdp_float8_all_gather=all_gather)
+            float8.convert_to_float8_training(model, config=config,
+                                              module_filter_fn=lambda m, fqn, names=names: fqn in names)
+    return note(cfg, wrap, gathered, shard_ranks, linears, picked, len(model.moe_layers()))
 
 
-def note(cfg, wrap: str, all_gather: bool, linears: dict, picked: set, moe_layers: int) -> str:
+def float8_all_gather(cfg, wrap: str) -> bool:
+    """Whether FSDP2 may all-gather the FP8 linears' weights in FP8: tensorwise scales (torchao's float8
+    all-gather has no other), under FSDP2, with the shards on the device."""
+    return cfg.fp8 == "tensorwise" and wrap == "fsdp" and not cfg.cpu_offload
+
+
+def evenly_sharded(linear: nn.Linear, shard_ranks: int) -> bool:
+    """Whether FSDP2 gives each rank of the shard group as many of the weight's rows. torchao 0.18's
+    float8 all-gather hook (the one-argument fsdp_pre_all_gather) returns a short rank's shard without
+    FSDP2's padding, and FSDP2 checks the padding only for the five-argument form: the ranks' gathers
+    mismatch and hang (pytorch/ao#3982). A weight sharded unevenly gathers in high precision instead."""
+    return linear.weight.shape[0] % shard_ranks == 0
+
+
+def note(cfg, wrap: str, gathered: set, shard_ranks: int, linears: dict, picked: set, moe_layers: int) -> str:
     """The start-up line: how the FP8 linears run, which they are, and what stays in high precision."""
     how = ["emulated: fp32 matmuls"] * cfg.fp8_emulate
-    how += (["float8 all-gather, scales computed after each step"] if all_gather else
-            ["weights all-gathered in high precision, then cast"] if wrap == "fsdp" else [])
+    how += ["float8 all-gather, scales computed after each step"] * bool(gathered)
+    cast_after = sorted(picked - gathered) if wrap == "fsdp" else []
+    if cast_after and float8_all_gather(cfg, wrap):  # left out of the float8 all-gather for their rows alone
+        how.append(f"{len(cast_after)} weights all-gathered in high precision, then cast: their rows don't divide by "
+                   f"the shard group's {shard_ranks} ranks ({_kinds(cast_after)})")
+    elif cast_after:
+        how.append("weights all-gathered in high precision, then cast")
     if not (cfg.compile or cfg.fp8_emulate):  # published: uncompiled rowwise at 0.23x bf16's speed
         how.append("uncompiled, torchao's casts run eagerly: slower than without fp8, set compile: true")
     rest = sorted(set(linears) - picked)
@@ -165,14 +188,13 @@ def gathered_in_fp8(p: torch.Tensor) -> bool:
 
 class Float8Scales:
     """The scales of the weights FSDP2 all-gathers in FP8, computed for all of them together (one
-    all-reduce of their amaxes) once the weights change: at start-up (after the resume) and after
-    each optimizer step; without it each weight's gather would reduce its own amax. A collective:
-    every rank calls it, at the same points. Nothing to do without float8 all-gather."""
+    all-reduce of their amaxes) after each optimizer step, as torchtitan does; without it each
+    weight's gather would reduce its own amax, as the first step's gathers do (the same scales). A
+    collective: every rank calls it, at the same points. Nothing to do without float8 all-gather."""
 
     def __init__(self, model: nn.Module):
         self.model = model
         self.active = "torchao.float8" in sys.modules and any(gathered_in_fp8(p) for p in model.parameters())
-        self.step()
 
     def step(self) -> None:
         if self.active:

@@ -45,7 +45,7 @@ def build_model(cfg, gpt_cfg: GPTConfig, topo: Topology) -> torch.nn.Module:
     if topo.ep_size > 1:
         apply_expert_parallel(model, topo.expert_mesh["ep"])
     if cfg.fp8:
-        note = convert(model, cfg, topo.wrap)
+        note = convert(model, cfg, topo.wrap, topo.mesh.shape[-1] if topo.mesh is not None else 1)  # the shard group
         if topo.is_main:
             print(note, flush=True)
     model.activation_checkpointing = cfg.activation_checkpointing

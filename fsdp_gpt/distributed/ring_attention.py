@@ -24,7 +24,8 @@ after cp passes. A recomputed forward (activation checkpointing) repeats the fir
 kernels on the same blocks in the same order.
 
 A sliding window shorter than the row (sliding_window) takes window_ring.py instead: a rank there
-exchanges only the columns a window reaches, not the whole ring's blocks.
+exchanges only the columns a window reaches, not the whole ring's blocks; at cp_size 1, where the
+rank holds whole rows, the model's own windowed attention (attention.causal_attention) runs.
 
 Kernels: the fused flash kernels' own forward, which returns the log-sum-exp, and backward, which
 takes it: the CPU's (fp32, bf16) and CUDA's flash (bf16, fp16; sm80 and later). Grouped-query
@@ -34,7 +35,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from fsdp_gpt.attention import DocumentBuckets, Documents, by_position, varlen_backward, varlen_forward, varlen_runs
+from fsdp_gpt.attention import (DocumentBuckets, Documents, by_position, causal_attention, varlen_backward,
+                                 varlen_forward, varlen_runs)
 from fsdp_gpt.distributed.window_ring import WindowPlan, WindowRing, fold_heads, merge, repeat_heads
 
 aten = torch.ops.aten
@@ -210,10 +212,16 @@ class RingAttention:
     def __call__(self, q, k, v, dropout_p: float, enable_gqa: bool, docs: Documents | None = None,
                  window: int | None = None, scale: float | None = None) -> torch.Tensor:
         assert dropout_p == 0.0, "config_checks.validate refuses dropout with cp_mode: ring"
-        if window is not None and window < self.row:  # shorter than a row: window_ring.py
-            plan, masks = self.window_plan(window, docs, q.device)
-            return WindowRing.apply(q, k, v, self, plan, masks, q.shape[-1] ** -0.5 if scale is None else scale)
+        if window is not None and window < self.row:  # shorter than a row
+            if self.cp == 1:  # the whole row here: the model's own window (the flash kernel's on CUDA), no tiles
+                return causal_attention(q, k, v, dropout_p, enable_gqa, docs, window, scale)
+            return self.window_tiles(q, k, v, docs, window, scale)
         return _Ring.apply(q, k, v, self, *self.plan(docs), scale)
+
+    def window_tiles(self, q, k, v, docs: Documents | None, window: int, scale: float | None) -> torch.Tensor:
+        """A window shorter than the row over the context group: window_ring.py's exchanges and tiles."""
+        plan, masks = self.window_plan(window, docs, q.device)
+        return WindowRing.apply(q, k, v, self, plan, masks, q.shape[-1] ** -0.5 if scale is None else scale)
 
 
 class _Ring(torch.autograd.Function):

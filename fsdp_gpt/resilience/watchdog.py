@@ -1,9 +1,11 @@
 """A rank that stops costs minutes and names itself.
 
 The loop tells the watchdog which phase it enters (start-up, a training step, an eval, a save) and
-how long that phase may take: `init_timeout` for start-up, the first step (compilation), evals and
-saves, `collective_timeout` for every other step. A thread on every rank wakes each second; when
-its rank's phase overruns, or another rank has said in the store that its own did, it
+how long that phase may take: `init_timeout` for start-up, evals and saves, `collective_timeout` for
+every training step but a compiled run's first (its blocks compile between its collectives, and a
+rank still compiling keeps the others waiting in them: `init_timeout`); start-up says which. A
+thread on every rank wakes each second; when its rank's phase overruns, or another rank has said in
+the store that its own did, it
 
 1. says in the store that a hang is being reported (every rank's thread looks each second: ranks
    a step apart at a boundary report together), and where its main thread is: waiting in a
@@ -98,6 +100,7 @@ class Watchdog:
     def __init__(self, topo, cfg):
         self.rank, self.world, self.device = topo.rank, topo.world_size, topo.device
         self.init_timeout, self.collective_timeout = cfg.init_timeout, cfg.collective_timeout
+        self.compiles = cfg.compile  # the first step compiles each block (and the loss) on its way
         self.dir, self.attempt = os.path.join(cfg.checkpoint_dir, "hang"), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         self.store = own_store(topo.store)
         self.prefix = f"watchdog/{self.attempt}/"
@@ -111,10 +114,18 @@ class Watchdog:
         self.phase = (what, self.init_timeout, "init_timeout", time.monotonic())
 
     def arm_step(self, step: int, first: bool) -> None:
-        """Enter a training step: the first compiles and warms up (init_timeout), every later one is
-        bounded by collective_timeout."""
-        self.phase = (f"step {step}", *((self.init_timeout, "init_timeout") if first
+        """Enter a training step: bounded by collective_timeout, but the first of a compiled run
+        (init_timeout: compilation between its collectives)."""
+        self.phase = (f"step {step}", *((self.init_timeout, "init_timeout") if first and self.compiles
                                         else (self.collective_timeout, "collective_timeout")), time.monotonic())
+
+    def bounds(self) -> str:
+        """The start-up line: after how long a hang in each phase is named."""
+        steps = (f"in a training step, init_timeout={self.init_timeout:g} s in the first (its blocks compile between "
+                 f"its collectives)," if self.compiles else
+                 f"in any training step (the first included: nothing compiles), init_timeout={self.init_timeout:g} s")
+        return f"watchdog: a hang is named after collective_timeout={self.collective_timeout:g} s {steps} in " \
+               f"start-up, an eval or a save"
 
     def close(self) -> None:
         self._stop.set()
