@@ -9,7 +9,7 @@ from fsdp_gpt.config import (COMPILE_MODES, CP_MODES, DECAY_SHAPES, DTYPES, EP_S
                              LR_SCHEDULES, MOE_SCORES, MUON_COEFFICIENTS, OPTIMIZERS, STRATEGIES, TrainConfig,
                              UserError, named_paths)
 from fsdp_gpt.families import ARCHS, FAMILIES, LLAMA3_SCALING
-from fsdp_gpt.model_keys import MLPS, WINDOW_KINDS
+from fsdp_gpt.model_keys import MLPS, ROPE_KINDS, WINDOW_KINDS
 
 
 def require(ok: bool, message: str) -> None:
@@ -52,6 +52,10 @@ def validate_model(cfg: TrainConfig) -> None:
     require(0 <= cfg.value_embeds <= cfg.n_layer, f"value_embeds must be 0 to n_layer={cfg.n_layer}, got {cfg.value_embeds}")
     require(cfg.mlp is None or cfg.mlp in MLPS, f"mlp '{cfg.mlp}' is not one of {', '.join(MLPS)}")
     check_window(cfg)
+    pattern = cfg.rope_pattern
+    require(pattern is None or (isinstance(pattern, list) and pattern and all(kind in ROPE_KINDS for kind in pattern)),
+            f"rope_pattern must be a list of {' and '.join(ROPE_KINDS)} (each layer's, repeated over the layers), got "
+            f"{pattern}")
     require(cfg.logit_softcap is None or cfg.logit_softcap > 0,
             f"logit_softcap must be positive (or null: off), got {cfg.logit_softcap}")
     # each block starts the gathers of the ones after it: a depth past the last block would say more

@@ -38,7 +38,7 @@ class Family:
     positions: str  # model.POSITIONS: learned (an embedding per position) or rope (q and k rotated)
     mlp: str  # the MLP where the mlp key is null (model.ACTIVATIONS)
     tied: bool  # the LM head is the token embedding where tie_embeddings is null
-    biases: bool  # whether the bias key adds biases (false: none, whatever it says)
+    biases: tuple[str, ...]  # the block's linears the bias key gives a bias (ALL_BIASES; (): none, whatever it says)
     init_std: float  # matrices start as N(0, init_std^2), residual projections scaled by 1/sqrt(2 n_layer)
     takes: frozenset[str]  # of the keys some family lacks (FAMILY_KEYS), the ones it takes
     resumable: tuple[str, ...]  # the keys a resume may change (RoPE keeps no weights per position)
@@ -55,11 +55,16 @@ class Family:
     hf_transposed: tuple[str, ...] = ()  # ours its files hold transposed (GPT-2's Conv1D)
     hf_zero_biases: bool = False  # its class has a bias in every layer: zeros stand in where ours has none
     hf_limits: tuple = ()  # (key, holds(cfg), why): what its class computes otherwise, refused on export
-    # more of the layout, where a family differs from most
-    qk_norm: bool = False  # q and k normalised per head where the qk_norm key is null
-    norm_after: bool = False  # each sublayer's output normalised too, before the residual add (four norms a block)
+    # more of a block's structure, where a family differs from most (model.py reads each in one place)
+    norms: str = "before"  # where a block's norms sit around each sublayer (model.NORM_PLACES): before, after or both
+    qk_norm: bool = False  # q and k normalised where the qk_norm key is null
+    qk_norm_scope: str = "head"  # what one qk norm spans (model.QK_NORM_WIDTHS): each head, or the whole projection
+    rope_pattern: tuple[str, ...] = ("rope",)  # which layers rotate q and k where the rope_pattern key is null
     embed_scale: bool = False  # token embeddings times sqrt(n_embd) (in fp32, whatever their dtype)
 
+
+# the block's linears, by their names in model.DecoderBlock: a family with biases everywhere (GPT-2) lists them all
+ALL_BIASES = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 
 # what no class below computes: an export of a model with them is refused, naming the key
 NO_VALUE_EMBEDS = ("value_embeds", lambda cfg: not cfg.value_embeds, "has no value embeddings")
@@ -68,7 +73,8 @@ PLAIN_HEAD = (("logit_softcap", lambda cfg: not cfg.logit_softcap, "has no logit
 PLAIN_ATTENTION = (
     ("sliding_window", lambda cfg: cfg.sliding_window is None, "attends to every earlier token (no sliding window)"),
     ("attn_scale_dim", lambda cfg: cfg.attn_scale_dim in (None, cfg.head_dim), "scales attention by 1/sqrt(head_dim)"),
-    ("rope_local_theta", lambda cfg: cfg.rope_local_theta in (None, cfg.rope_theta), "has one RoPE base"))
+    ("rope_local_theta", lambda cfg: cfg.rope_local_theta in (None, cfg.rope_theta), "has one RoPE base"),
+    ("rope_pattern", lambda cfg: all(map(cfg.rotates, range(cfg.n_layer))), "rotates q and k in every layer"))
 QK_NORMED = ("qk_norm", lambda cfg: cfg.qk_norm, "normalises q and k (qk_norm: true)")  # a class that always does
 # what a resume may change in every family: a window holds no weights
 WINDOW_KEYS = ("sliding_window", "window_pattern")
@@ -98,7 +104,7 @@ def gpt2_keys(config: dict) -> dict:
 
 
 GPT2 = Family(
-    name="GPT-2", arch="gpt2", when=(), norm="layernorm", positions="learned", mlp="gelu", tied=True, biases=True,
+    name="GPT-2", arch="gpt2", when=(), norm="layernorm", positions="learned", mlp="gelu", tied=True, biases=ALL_BIASES,
     init_std=0.02, takes=frozenset({"bias"}), resumable=WINDOW_KEYS,
     hf_class="GPT2LMHeadModel", hf_model_type="gpt2", hf_mlps={"gelu": "gelu_new", "relu2": "relu2"},
     hf_config=gpt2_config, hf_keys=gpt2_keys,
@@ -138,9 +144,10 @@ def llama_keys(config: dict) -> dict:
 
 
 LLAMA = Family(
-    name="Llama", arch="llama", when=(), norm="rmsnorm", positions="rope", mlp="swiglu", tied=False, biases=False,
+    name="Llama", arch="llama", when=(), norm="rmsnorm", positions="rope", mlp="swiglu", tied=False, biases=(),
     init_std=0.02,
-    takes=frozenset({"n_kv_head", "head_dim", "rope_theta", "rope_scaling", "rope_local_theta", "tie_embeddings"}),
+    takes=frozenset({"n_kv_head", "head_dim", "rope_theta", "rope_scaling", "rope_local_theta", "rope_pattern",
+                     "tie_embeddings"}),
     resumable=("block_size", "rope_theta", "rope_scaling", "rope_local_theta") + WINDOW_KEYS,
     hf_class="LlamaForCausalLM", hf_model_type="llama", hf_mlps={"swiglu": "silu"},
     hf_config=llama_config, hf_keys=llama_keys,
@@ -274,7 +281,7 @@ def gemma3_keys(config: dict) -> dict:
 
 GEMMA3 = Family(
     name="Gemma 3", arch="gemma3", when=(), norm="rmsnorm_offset", positions="rope", mlp="geglu", tied=True,
-    biases=False, init_std=0.02,
+    biases=(), init_std=0.02,
     takes=frozenset({"n_kv_head", "head_dim", "rope_theta", "rope_local_theta", "tie_embeddings", "qk_norm"}),
     resumable=("block_size", "rope_theta", "rope_local_theta") + WINDOW_KEYS,
     hf_class="Gemma3ForCausalLM", hf_model_type="gemma3_text", hf_mlps={"geglu": "gelu_pytorch_tanh"},
@@ -289,11 +296,18 @@ GEMMA3 = Family(
                 "reads N - 1 local layers then a global one, repeated (transformers 4.5x's sliding_window_pattern)"),
                ("n_head", lambda cfg: cfg.n_embd % cfg.n_head == 0, "needs n_embd a multiple of n_head (transformers 5)"),
                NO_VALUE_EMBEDS),
-    qk_norm=True, norm_after=True, embed_scale=True)
+    norms="both", qk_norm=True, embed_scale=True)
 
 FAMILIES = (GPT2, LLAMA, QWEN3, QWEN3_MOE, GEMMA3)  # each layout's plain family first, its refinements after it
 ARCHS = tuple(dict.fromkeys(family.arch for family in FAMILIES))
 FAMILY_KEYS = frozenset().union(*(family.takes for family in FAMILIES))  # the keys some family lacks
+
+
+def layouts() -> str:
+    """Each layout with its families, a refinement with the keys that make it (the arch key's meaning)."""
+    def named(family: Family) -> str:
+        return family.name + (f" with {', '.join(family.when)}" if family.when else "")
+    return ", ".join(f"{arch} ({'; '.join(named(f) for f in FAMILIES if f.arch == arch)})" for arch in ARCHS)
 
 
 def family_of(arch: str, is_set: Callable[[str], bool]) -> Family:

@@ -49,6 +49,10 @@ def their_name(family: Family, name: str) -> tuple[str | Rows | Absent, str | No
 def to_hf(state: dict, cfg: GPTConfig) -> dict:
     """model.GPT's state dict -> the Hugging Face model's, as its files hold it (one matrix per expert)."""
     family, out = cfg.family, {}
+    if family.hf_zero_biases and not cfg.bias:  # the biases its class always has: zeros compute as none
+        with torch.device("meta"):
+            biased = GPT(dataclasses.replace(cfg, bias=True)).state_dict()
+        state = state | {name: torch.zeros(biased[name].shape) for name in biased.keys() - state.keys()}
     for name, tensor in state.items():
         theirs, inside = their_name(family, name)
         if isinstance(theirs, Absent):
@@ -63,10 +67,6 @@ def to_hf(state: dict, cfg: GPTConfig) -> dict:
             else:
                 pieces = [matrix.t() if inside in family.hf_transposed else matrix]
             out |= {part.format(e=e): piece for part, piece in zip(parts, pieces)}
-    if family.hf_zero_biases and not cfg.bias:  # the biases its class always has: zeros compute as none
-        with torch.device("meta"):
-            biased = GPT(dataclasses.replace(cfg, bias=True)).state_dict()
-        out |= {their_name(family, name)[0]: torch.zeros(biased[name].shape) for name in biased.keys() - state.keys()}
     return {k: v.contiguous() for k, v in out.items()}
 
 

@@ -2,8 +2,10 @@
 
 One attention, one block and one model build every family (families.py): the entry names the
 norm, the positions (learned, as GPT-2's, or rotary, RoPE with the rotate_half convention), the MLP
-(tanh GELU, SwiGLU or GeGLU by default), the tying, the initialisation, and where a family differs
-from most: q and k normalised, a norm after each sublayer too, scaled embeddings (Gemma 3). The
+(tanh GELU, SwiGLU or GeGLU by default), the tying, the initialisation, and a block's structure
+where a family differs from most: which linears have biases, where the norms sit around each
+sublayer, q and k normalised per head or over the whole projection, which layers rotate q and k,
+scaled embeddings (Gemma 3); each is read in one place below. The
 options are in GPTConfig, grouped-query attention, sliding windows, mixtures of experts and the
 speedrun recipe's among them (a ReLU^2 MLP, logit soft-capping, zero-initialised projections, value
 embeddings).
@@ -67,6 +69,21 @@ def norm(cfg: GPTConfig, width: int) -> nn.Module:
     return NORMS[cfg.family.norm](cfg, width)
 
 
+# where a block's norms sit around each sublayer (the family's `norms`): (before it, on its output before the
+# residual add): GPT-2's and Llama's before, OLMo 2's after, Gemma 3's both (four norms a block)
+NORM_PLACES = {"before": (True, False), "after": (False, True), "both": (True, True)}
+# what one qk norm spans (the family's `qk_norm_scope`): (q's width, k's), each head's (Qwen3, Gemma 3) or the
+# whole projection's, every head at once (OLMo 2)
+QK_NORM_WIDTHS = {"head": lambda cfg: (cfg.head_dim, cfg.head_dim),
+                  "projection": lambda cfg: (cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim)}
+
+
+def has_bias(cfg: GPTConfig, linear: str) -> bool:
+    """Whether a block's linear (attn.c_attn, ..., families.ALL_BIASES) has a bias: the bias key on, and the
+    family's entry listing it (GPT-2 all of them, Qwen2 q, k and v's, Llama none)."""
+    return cfg.bias and linear in cfg.family.biases
+
+
 def llama3_scaled(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     """Llama 3.1's long-context frequencies, as transformers computes them: pairs whose wavelength
     exceeds the original context / low_freq_factor turn `factor` times slower, those under
@@ -120,10 +137,12 @@ class CausalSelfAttention(nn.Module):
         self.n_head, self.n_kv_head, self.head_dim, self.qkv_widths = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.qkv_widths
         self.window = cfg.window_of(layer)  # None: full causal attention
         self.scale = cfg.attn_scale_dim ** -0.5 if cfg.attn_scale_dim else None  # None: 1/sqrt(head_dim)
-        self.c_attn = nn.Linear(cfg.n_embd, sum(cfg.qkv_widths), bias=cfg.bias)  # q, k, v in one matmul
-        self.c_proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.n_embd, bias=cfg.bias)
-        if cfg.qk_norm:  # Qwen3, Gemma 3: each head's q and k normalised, before the rotation
-            self.ln_q, self.ln_k = norm(cfg, cfg.head_dim), norm(cfg, cfg.head_dim)
+        # q, k, v in one matmul
+        self.c_attn = nn.Linear(cfg.n_embd, sum(cfg.qkv_widths), bias=has_bias(cfg, "attn.c_attn"))
+        self.c_proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.n_embd, bias=has_bias(cfg, "attn.c_proj"))
+        self.qk_norm_scope = cfg.family.qk_norm_scope if cfg.qk_norm else None  # None: q and k as they are
+        if cfg.qk_norm:  # Qwen3, Gemma 3, OLMo 2: q and k normalised, before the rotation
+            self.ln_q, self.ln_k = (norm(cfg, width) for width in QK_NORM_WIDTHS[self.qk_norm_scope](cfg))
         if layer < cfg.value_embeds:  # modded-nanogpt's value embeddings: v mixed with a token embedding
             self.value_embed = nn.Embedding(cfg.vocab_size, cfg.n_kv_head * cfg.head_dim)
             self.value_mix = nn.Parameter(torch.empty(2))  # the weights of v and of the embedding
@@ -136,11 +155,11 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.c_attn(x).split(self.qkv_widths, dim=2)
         if hasattr(self, "value_embed"):
             v = self.value_mix[0] * v + self.value_mix[1] * self.value_embed(idx)
+        q, k = self.qk_normed(q, k, "projection")  # OLMo 2's: the whole of each, before the heads split
         # (B, T, heads * head_dim) -> (B, heads, T, head_dim)
         q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         k, v = (t.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2) for t in (k, v))
-        if hasattr(self, "ln_q"):
-            q, k = self.ln_q(q), self.ln_k(k)
+        q, k = self.qk_normed(q, k, "head")  # Qwen3's and Gemma 3's: each head's
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         grouped = self.n_kv_head != self.n_head
@@ -150,6 +169,10 @@ class CausalSelfAttention(nn.Module):
         y = self.core(q, k, v, self.dropout if self.training else 0.0, grouped, docs, self.window, self.scale)
         y = y.transpose(1, 2).contiguous().view(B, T, self.n_head * self.head_dim)
         return self.resid_dropout(self.c_proj(y))
+
+    def qk_normed(self, q: torch.Tensor, k: torch.Tensor, scope: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k normalised where `scope` is the family's qk_norm_scope, else as they are."""
+        return (self.ln_q(q), self.ln_k(k)) if self.qk_norm_scope == scope else (q, k)
 
 
 def swiglu(x: torch.Tensor) -> torch.Tensor:
@@ -177,8 +200,8 @@ class MLP(nn.Module):
         super().__init__()
         self.activation = ACTIVATIONS[cfg.mlp]
         hidden = hidden or cfg.ffn_hidden
-        self.c_fc = nn.Linear(cfg.n_embd, (2 if MLPS[cfg.mlp] else 1) * hidden, bias=cfg.bias)
-        self.c_proj = nn.Linear(hidden, cfg.n_embd, bias=cfg.bias)
+        self.c_fc = nn.Linear(cfg.n_embd, (2 if MLPS[cfg.mlp] else 1) * hidden, bias=has_bias(cfg, "mlp.c_fc"))
+        self.c_proj = nn.Linear(hidden, cfg.n_embd, bias=has_bias(cfg, "mlp.c_proj"))
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -188,19 +211,21 @@ class MLP(nn.Module):
 class DecoderBlock(nn.Module):
     def __init__(self, cfg: GPTConfig, layer: int = 0):
         super().__init__()
-        self.ln_1 = norm(cfg, cfg.n_embd)
+        before, after = NORM_PLACES[cfg.family.norms]  # where its norms sit; nn.Identity where none does
+
+        def block_norm(here: bool) -> nn.Module:
+            return norm(cfg, cfg.n_embd) if here else nn.Identity()
+        self.ln_1 = block_norm(before)
         self.attn = CausalSelfAttention(cfg, layer)
-        self.ln_2 = norm(cfg, cfg.n_embd)
+        self.ln_2 = block_norm(before)
         if cfg.moe_experts and layer >= cfg.moe_dense_layers:
             shared = MLP(cfg, cfg.moe_shared * cfg.moe_hidden) if cfg.moe_shared else None
             self.mlp = MoE(cfg, ACTIVATIONS["swiglu"], shared)
         else:
             self.mlp = MLP(cfg)
-        # where a block's norms sit: before each sublayer, and in a family whose entry says so after
-        # it too, on its output before the residual add (Gemma's four norms)
-        self.ln_attn_out, self.ln_mlp_out = ((norm(cfg, cfg.n_embd), norm(cfg, cfg.n_embd)) if cfg.family.norm_after
-                                             else (nn.Identity(), nn.Identity()))
+        self.ln_attn_out, self.ln_mlp_out = block_norm(after), block_norm(after)
         self.local = self.attn.window is not None  # which RoPE table the block takes
+        self.rotates = cfg.rotates(layer)  # whether it takes one at all (SmolLM3's NoPE layers do not)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
                 idx: torch.Tensor | None = None, docs: Documents | None = None) -> torch.Tensor:
@@ -287,7 +312,7 @@ class GPT(nn.Module):
             x = x.to(compute)
         docs = None if opens is None else self.documents(opens)
         for block in self.blocks:
-            rope = ropes and ropes[block.local]
+            rope = ropes[block.local] if ropes and block.rotates else None
             if self.activation_checkpointing and self.training:
                 x = checkpoint(block, x, rope, idx, docs, use_reentrant=False)
             else:

@@ -5,7 +5,7 @@ Plain Python, no torch: the config reads them without building a model."""
 import dataclasses
 from dataclasses import dataclass
 
-from fsdp_gpt.families import FAMILY_KEYS, Family, family_of
+from fsdp_gpt.families import FAMILY_KEYS, Family, family_of, layouts
 
 
 # the mlp key's values: whether c_fc holds a gate beside the up projection (twice as many rows), the
@@ -13,6 +13,8 @@ from fsdp_gpt.families import FAMILY_KEYS, Family, family_of
 MLPS = {"gelu": False, "swiglu": True, "relu2": False, "geglu": True}
 # what window_pattern names a layer: local (its attention within sliding_window) or global (full)
 WINDOW_KINDS = ("local", "global")
+# what rope_pattern names a layer: rope (q and k rotated) or nope (no positions: SmolLM3's NoPE layers)
+ROPE_KINDS = ("rope", "nope")
 
 
 def key(default, meaning: str, shape: bool = True):
@@ -24,10 +26,8 @@ def key(default, meaning: str, shape: bool = True):
 
 @dataclass
 class ModelKeys:
-    arch: str = key("gpt2", "the layout, as fsdp_gpt/families.py names it: gpt2 (LayerNorm, learned positions, GELU, "
-                            "tied head), llama (RMSNorm, RoPE, SwiGLU, grouped-query attention; Qwen3's with qk_norm, "
-                            "Qwen3-MoE's with experts) or gemma3 ((1 + weight) RMSNorm before and after each sublayer, "
-                            "scaled embeddings, GeGLU, q/k norms); docs/models.md lists the families")
+    arch: str = key("gpt2", f"the layout, as fsdp_gpt/families.py names it, and its families: {layouts()}; "
+                            f"docs/models.md describes each")
     vocab_size: int | None = key(None, "embedding rows; null: the data's vocabulary (or the tokenizer's), rounded "
                                        "up to a multiple of 64")
     block_size: int = key(1024, "tokens per sequence (the context length)")
@@ -60,6 +60,9 @@ class ModelKeys:
                                             "one global); null: every layer local")
     rope_local_theta: float | None = key(None, "rope: the local layers' RoPE base (Gemma 3: 10,000 beside rope_theta "
                                                "1,000,000); null: rope_theta, with rope_scaling")
+    rope_pattern: list | None = key(None, "llama: which layers rotate q and k, rope or nope (no positions), in a list "
+                                          "repeated over the layers from the first (SmolLM3: three rope, one nope); "
+                                          "null: the family's (every layer but in SmolLM3)")
     attn_scale_dim: int | None = key(None, "attention's scores scaled by 1/sqrt(attn_scale_dim) (Gemma 3's "
                                            "query_pre_attn_scalar); null: head_dim")
     logit_softcap: float | None = key(None, "squash logits into (-cap, cap) with cap * tanh(logits / cap), in fp32; "
@@ -100,7 +103,7 @@ class ModelKeys:
         ffn_hidden = self.ffn_hidden
         if ffn_hidden is None:  # a gated MLP's 8/3 n_embd (rounded up to 256) holds as many weights as 4 n_embd ungated
             ffn_hidden = 256 * -(-(8 * self.n_embd // 3) // 256) if MLPS.get(mlp) else 4 * self.n_embd
-        return dict(n_kv_head=self.n_kv_head or self.n_head, bias=self.bias and family.biases, mlp=mlp,
+        return dict(n_kv_head=self.n_kv_head or self.n_head, bias=self.bias and bool(family.biases), mlp=mlp,
                     qk_norm=family.qk_norm if self.qk_norm is None else self.qk_norm,
                     ffn_hidden=ffn_hidden, head_dim=self.head_dim or self.n_embd // self.n_head,
                     tie_embeddings=family.tied if self.tie_embeddings is None else self.tie_embeddings,
@@ -112,6 +115,11 @@ class ModelKeys:
         local, else None (full attention)."""
         pattern = self.window_pattern or ["local"]
         return self.sliding_window if pattern[layer % len(pattern)] == "local" else None
+
+    def rotates(self, layer: int) -> bool:
+        """Whether block `layer` rotates q and k (RoPE), as rope_pattern or the family's makes it."""
+        pattern = self.rope_pattern or self.family.rope_pattern
+        return pattern[layer % len(pattern)] == "rope"
 
     def foreign_keys(self) -> dict:
         """{key: value} of the keys given here that the family does not take: such a key keeps its

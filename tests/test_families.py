@@ -8,9 +8,9 @@ import torch
 
 from fsdp_gpt.config import TrainConfig, UserError
 from fsdp_gpt.config_checks import archs_taking, validate
-from fsdp_gpt.families import FAMILIES
+from fsdp_gpt.families import ALL_BIASES, FAMILIES
 from fsdp_gpt.hf_format import fused_like, hf_config, read_hf_folder, their_weight, to_hf
-from fsdp_gpt.model import ACTIVATIONS, GPT, NORMS, GPTConfig
+from fsdp_gpt.model import ACTIVATIONS, GPT, NORM_PLACES, NORMS, QK_NORM_WIDTHS, GPTConfig
 
 SMALL = dict(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=64)
 # a small model of each family, and of the options its Hugging Face class maps otherwise: (family, options)
@@ -57,8 +57,16 @@ def test_each_family_builds_what_its_entry_says(model):
     assert type(gpt.ln_f) is type(NORMS[family.norm](cfg, 8))
     assert hasattr(gpt, "wpe") == (family.positions == "learned")
     assert (gpt.lm_head.weight is gpt.wte.weight) == options.get("tie_embeddings", family.tied)
-    assert (gpt.blocks[0].attn.c_attn.bias is not None) == (family.biases and cfg.bias)
-    assert gpt.blocks[0].mlp.activation is ACTIVATIONS[options.get("mlp", family.mlp)]
+    block = gpt.blocks[0]  # its structure, the entry's fields
+    for linear in ALL_BIASES:
+        assert (block.get_submodule(linear).bias is not None) == (linear in family.biases and cfg.bias), linear
+    before, after = NORM_PLACES[family.norms]
+    assert [type(getattr(block, name)) is not torch.nn.Identity for name in ("ln_1", "ln_2", "ln_attn_out", "ln_mlp_out")
+            ] == [before, before, after, after]
+    assert hasattr(block.attn, "ln_q") == cfg.qk_norm
+    if cfg.qk_norm:  # each head's width or the whole projection's
+        assert (block.attn.ln_q.weight.numel(), block.attn.ln_k.weight.numel()) == QK_NORM_WIDTHS[family.qk_norm_scope](cfg)
+    assert block.mlp.activation is ACTIVATIONS[options.get("mlp", family.mlp)]
     assert gpt.wte.weight.std().item() == pytest.approx(family.init_std, rel=0.05)
 
 
@@ -145,6 +153,7 @@ def test_gemma3_scales_its_embeddings_by_one_value_in_every_dtype():
     (dict(arch="gpt2", mlp="swiglu"), "mlp: swiglu: GPT2LMHeadModel computes gelu or relu2 MLPs only"),
     (dict(arch="gpt2", value_embeds=1), "value_embeds: 1: GPT2LMHeadModel has no value embeddings"),
     (dict(arch="llama", sliding_window=8), "sliding_window: 8: LlamaForCausalLM attends to every earlier token"),
+    (dict(arch="llama", rope_pattern=["nope"]), "rope_pattern: ['nope']: LlamaForCausalLM rotates q and k in every layer"),
     (dict(arch="gpt2", attn_scale_dim=24), "attn_scale_dim: 24: GPT2LMHeadModel scales attention by 1/sqrt(head_dim)"),
     (dict(arch="gemma3", n_layer=2, sliding_window=8, window_pattern=["global", "local"]),
      "window_pattern: ['global', 'local']: Gemma3ForCausalLM reads N - 1 local layers then a global one"),

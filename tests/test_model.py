@@ -74,6 +74,23 @@ def test_the_recipes_model_parts():
         assert not torch.allclose(valued(idx)[0], plain(idx)[0])
 
 
+def test_a_layer_that_does_not_rotate_attends_without_positions():
+    """rope_pattern's nope layers (SmolLM3's): a one-layer model's last prediction is then the same for any
+    order of the tokens before it, a rotating layer's is not."""
+    torch.manual_seed(0)
+    shape = dict(arch="llama", vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32)
+    idx = torch.randint(0, 64, (1, 16))
+    shuffled = torch.cat((idx[:, :-1].flip(1), idx[:, -1:]), dim=1)
+    nope = GPT(GPTConfig(**shape, rope_pattern=["nope"]))
+    rope = GPT(GPTConfig(**shape))
+    rope.load_state_dict(nope.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(nope(shuffled)[0][:, -1], nope(idx)[0][:, -1])
+        assert not torch.allclose(rope(shuffled)[0][:, -1], rope(idx)[0][:, -1])
+    assert [block.rotates for block in GPT(GPTConfig(**shape | dict(n_layer=5), rope_pattern=["rope", "nope"])).blocks
+            ] == [True, False, True, False, True]
+
+
 def test_under_autocast_the_residual_stream_is_in_its_dtype():
     """As FSDP2's bf16 parameters give it: each block takes and returns x in autocast's dtype, so one
     process computes as its sharded twin does; without autocast the stream stays fp32."""
