@@ -8,6 +8,7 @@ A family builds one layout, the `arch` key (gpt2, llama). The table runs from a 
 family to its refinements, each applying where its `when` keys are set: Llama with qk_norm is
 Qwen3, with experts Qwen3-MoE. Plain Python, no torch: the config's checks read it too.
 """
+import json
 from dataclasses import dataclass, field, replace
 from typing import Callable, NamedTuple
 
@@ -128,7 +129,22 @@ def llama_config(cfg, eot: int | None) -> dict:
         {"rope_scaling": dict(cfg.rope_scaling)} if cfg.rope_scaling else {})
 
 
+# what a folder of Llama's layout may set that is not built here: (key, built(its value), what is built), refused by name
+LLAMA_UNBUILT = (("hidden_act", lambda act: act in (None, "silu"), "silu (SwiGLU)"),
+                 ("attention_bias", lambda bias: not bias, "attention without biases"),
+                 ("mlp_bias", lambda bias: not bias, "an MLP without biases"),
+                 ("attn_logit_softcapping", lambda cap: cap is None, "attention without a soft cap"))
+
+
+def refuse_unbuilt(config: dict, unbuilt: tuple) -> None:
+    """A ValueError naming the first key of config.json whose value is not built here."""
+    for key, built, what in unbuilt:
+        if not built(config.get(key)):
+            raise ValueError(f"has {key}: {json.dumps(config[key])}; built here: {what}")
+
+
 def llama_keys(config: dict) -> dict:
+    refuse_unbuilt(config, LLAMA_UNBUILT)
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     kind = rope.get("rope_type", rope.get("type", "default"))
     n_head = config["num_attention_heads"]

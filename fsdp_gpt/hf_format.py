@@ -156,10 +156,14 @@ def _config_keys(folder: str) -> dict:
     if not os.path.isfile(path):
         raise UserError(f"init_from: {folder}/ has no config.json (a Hugging Face model folder is needed)")
     config = read_json(path, "init_from: the folder is damaged: download the model again")
-    architecture = (config.get("architectures") or ["?"])[0]
     families = {family.hf_class: family for family in FAMILIES}
+    # its class, or where config.json names none its model type
+    field, architecture = "architectures", (config.get("architectures") or [None])[0]
+    if architecture is None:
+        field, model_type = "model_type", config.get("model_type")
+        architecture = next((family.hf_class for family in FAMILIES if family.hf_model_type == model_type), model_type)
     if architecture not in families:
-        raise UserError(f"init_from: {folder}/ holds a {architecture}; this trainer starts from "
+        raise UserError(f"init_from: {folder}/ holds a {architecture} (config.json's {field}); this trainer starts from "
                         f"{', '.join(families)}")
     try:
         keys = families[architecture].hf_keys(config)

@@ -293,6 +293,6 @@ def test_a_folder_of_another_architecture_is_named(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["BertForMaskedLM"], "hidden_size": 64}))
     classes = list(dict.fromkeys(family.hf_class for family in FAMILIES))
     assert "LlamaForCausalLM" in classes
-    with pytest.raises(UserError, match=re.escape(f"init_from: {tmp_path}/ holds a BertForMaskedLM; this trainer starts "
-                                                  f"from {', '.join(classes)}")):
+    with pytest.raises(UserError, match=re.escape(f"init_from: {tmp_path}/ holds a BertForMaskedLM (config.json's "
+                                                  f"architectures); this trainer starts from {', '.join(classes)}")):
         hf_model_keys(str(tmp_path))

@@ -1,6 +1,7 @@
 """Model families (fsdp_gpt/families.py): each builds what its entry says, takes only its keys, and
 maps onto its Hugging Face class both ways (transformers' logits, a folder read back, every weight's
 name). A new family adds its row to MODELS."""
+import json
 import re
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 from fsdp_gpt.config import TrainConfig, UserError
 from fsdp_gpt.config_checks import archs_taking, validate
 from fsdp_gpt.families import ALL_BIASES, FAMILIES
-from fsdp_gpt.hf_format import fused_like, hf_config, read_hf_folder, their_weight, to_hf
+from fsdp_gpt.hf_format import fused_like, hf_config, hf_model_keys, read_hf_folder, their_weight, to_hf
 from fsdp_gpt.model import ACTIVATIONS, GPT, NORM_PLACES, NORMS, QK_NORM_WIDTHS, GPTConfig
 
 SMALL = dict(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=64)
@@ -162,6 +163,29 @@ def test_gemma3_scales_its_embeddings_by_one_value_in_every_dtype():
 def test_what_hugging_face_cannot_express_is_refused_naming_the_key(options, key):
     with pytest.raises(UserError, match=re.escape(key)):
         hf_config(GPTConfig(**(SMALL | dict(n_layer=1) | options)), eot=0)
+
+
+# a Llama folder's config.json, and beside it what the folders of each family may set that is not built here
+LLAMA_FOLDER = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=256, hidden_size=64,
+                    intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                    max_position_embeddings=64)
+
+
+@pytest.mark.parametrize("config, refusal", [
+    (dict(hidden_act="gelu"), 'has hidden_act: "gelu"; built here: silu (SwiGLU)'),
+    (dict(attention_bias=True), "has attention_bias: true; built here: attention without biases"),
+    (dict(attn_logit_softcapping=50.0), "has attn_logit_softcapping: 50.0; built here: attention without a soft cap"),
+    (dict(architectures=None, model_type="falcon"), "holds a falcon (config.json's model_type); this trainer starts from"),
+])
+def test_a_folder_of_what_is_not_built_is_refused_naming_the_field(config, refusal, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_FOLDER | config))
+    with pytest.raises(UserError, match=re.escape(f"init_from: {tmp_path}/ {refusal}")):
+        hf_model_keys(str(tmp_path))
+
+
+def test_a_folder_naming_no_class_is_read_by_its_model_type(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_FOLDER | dict(architectures=None)))
+    assert hf_model_keys(str(tmp_path))[0]["arch"] == "llama"
 
 
 def test_only_the_keys_a_family_lets_change_may_change_on_resume():
