@@ -314,7 +314,30 @@ GEMMA3 = Family(
                NO_VALUE_EMBEDS),
     norms="both", qk_norm=True, embed_scale=True)
 
-FAMILIES = (GPT2, LLAMA, QWEN3, QWEN3_MOE, GEMMA3)  # each layout's plain family first, its refinements after it
+
+# ---- Qwen2 (Qwen2.5): Llama's layout, q, k and v with biases ----
+
+def qwen2_config(cfg, eot: int | None) -> dict:
+    """Llama's keys but the bias keys (its q, k and v always have biases, o and the MLP never), and no
+    window: transformers 4.5x masks by sliding_window in every layer whatever use_sliding_window says."""
+    keys = {k: v for k, v in llama_config(cfg, eot).items() if k not in ("attention_bias", "mlp_bias")}
+    return keys | dict(use_sliding_window=False, sliding_window=None)
+
+
+def qwen2_keys(config: dict) -> dict:
+    refuse_unbuilt(config, (("use_sliding_window", lambda window: not window, "full attention in every layer"),))
+    return llama_keys(config) | dict(arch="qwen2", bias=True)
+
+
+QWEN2 = replace(
+    LLAMA, name="Qwen2", arch="qwen2", biases=("attn.c_attn",), takes=LLAMA.takes | {"bias"},
+    hf_class="Qwen2ForCausalLM", hf_model_type="qwen2", hf_config=qwen2_config, hf_keys=qwen2_keys,
+    hf_names=LLAMA.hf_names | {"attn.c_attn.bias": Rows(("self_attn.q_proj.bias", "self_attn.k_proj.bias",
+                                                          "self_attn.v_proj.bias"), lambda cfg: cfg.qkv_widths)},
+    hf_zero_biases=True)  # its class always has them: zeros where bias is false
+
+
+FAMILIES = (GPT2, LLAMA, QWEN3, QWEN3_MOE, GEMMA3, QWEN2)  # each layout's plain family first, its refinements after it
 ARCHS = tuple(dict.fromkeys(family.arch for family in FAMILIES))
 FAMILY_KEYS = frozenset().union(*(family.takes for family in FAMILIES))  # the keys some family lacks
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, assert_quiet, launch, overrides, scalars, tool
+from conftest import ROOT, assert_quiet, launch, overrides, scalars, shared, tool
 from test_hf_tokenizer import make_sentencepiece_tokenizer, make_tokenizer, write_docs
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
@@ -296,3 +296,109 @@ def test_a_folder_of_another_architecture_is_named(tmp_path):
     with pytest.raises(UserError, match=re.escape(f"init_from: {tmp_path}/ holds a BertForMaskedLM (config.json's "
                                                   f"architectures); this trainer starts from {', '.join(classes)}")):
         hf_model_keys(str(tmp_path))
+
+
+# ---- the families people continue (issue 63): each from a folder its transformers class saved ----
+
+def family_tokenizer(folder, kind: str, tokenizer_class: str) -> None:
+    """A tokenizer of the family's kind beside its folder, under the class its tokenizer_config.json
+    names, as the family's folders do: transformers 5 rebuilds some classes from their own pipeline
+    (Qwen2Tokenizer: NFC, Qwen2's split, bytes), so the file is made with Qwen2's pipeline too."""
+    import json
+
+    import tokenizers
+    from tokenizers import Regex, normalizers, pre_tokenizers
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+    if kind == "sentencepiece":  # Llama 2's kind: Mistral's, Phi-3's
+        make_sentencepiece_tokenizer(folder)
+    else:  # byte-level BPE: Qwen2's, OLMo 2's, SmolLM3's
+        make_tokenizer(folder, vocab_size=500)
+        path = os.path.join(folder, "tokenizer.json")
+        tok = tokenizers.Tokenizer.from_file(path)
+        tok.normalizer = normalizers.NFC()
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+                                                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        tok.save(path)
+    path = os.path.join(folder, "tokenizer_config.json")
+    with open(path) as f:
+        config = json.load(f)
+    with open(path, "w") as f:
+        json.dump(config | {"tokenizer_class": tokenizer_class}, f)
+
+
+SHAPE = dict(vocab_size=576, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256)
+# a folder of each family: its transformers class, config.json's keys beside SHAPE (the features it maps),
+# its tokenizer's kind and class
+FOLDERS = {
+    "qwen2": ("Qwen2ForCausalLM", dict(rope_theta=1e6, tie_word_embeddings=False), "bytelevel", "Qwen2Tokenizer"),
+}
+
+
+def family_folder(tmp_path_factory, name: str) -> str:
+    """The family's folder, saved by the transformers installed (5.x, or 4.51 in CI's oldest venv), every
+    weight away from its initial value (biases from zeros, norms from ones), made once a session."""
+    import torch
+    import transformers
+    architecture, keys, kind, tokenizer_class = FOLDERS[name]
+    if not hasattr(transformers, architecture):
+        pytest.skip(f"transformers {transformers.__version__} has no {architecture}")
+
+    def make(folder: str) -> None:
+        config = getattr(transformers, architecture.replace("ForCausalLM", "Config"))(**SHAPE, **keys)
+        torch.manual_seed(0)
+        model = getattr(transformers, architecture)(config)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        model.save_pretrained(folder)
+        family_tokenizer(folder, kind, tokenizer_class)
+    return shared(tmp_path_factory, f"family_{name}_{transformers.__version__}", make)
+
+
+@pytest.mark.compat  # and on transformers 4.51, where it has the class (CI's oldest venv)
+@pytest.mark.parametrize("name", FOLDERS)
+def test_a_family_continues_from_its_folder_and_exports_as_it_came(name, tmp_path_factory, tmp_path):
+    """init_from a family's folder with no model keys: its tokenizer prepares the data as transformers
+    encodes it; a step at learning rate 0 keeps its weights, which compute transformers' logits
+    (within 1e-4, on rows longer than any window), and the export loads as its class with the folder's
+    logits exactly; 2 ranks train as one process (1e-5)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import export_hf
+    from fsdp_gpt.checkpoint.ckpt_format import load_gpt
+    from fsdp_gpt.data.prepare import prepare_data
+    from fsdp_gpt.data.tokenizer import HFTokenizer
+    folder = family_folder(tmp_path_factory, name)
+    docs = write_docs(tmp_path / "docs.jsonl", n=60)
+    text = "\n\n".join(docs) + " 2023 650841823  two  spaces\r\n"
+    assert AutoTokenizer.from_pretrained(folder).encode(text, add_special_tokens=False) == \
+        HFTokenizer(folder).encode_ordinary(text)
+    prepare_data(str(tmp_path / "prepared"), [str(tmp_path / "docs.jsonl")], folder)
+    config = bare_config(tmp_path, None)
+    quick = SMALL | dict(max_iters=1, eval_interval=100, sample_tokens=0)
+    (tmp_path / "kept").mkdir()
+    kept = run(tmp_path / "kept", config, init_from=folder, **(quick | dict(learning_rate=0.0, min_lr=0.0, warmup_iters=0,
+                                                                         lr_schedule="constant")))
+    assert kept.returncode == 0, kept.stderr[-3000:]
+    checkpoint = str(tmp_path / "kept" / "ckpt" / "fsdp_cpt1.pth")
+    export_hf.export(checkpoint, str(tmp_path / "hf"))
+    original, exported = (AutoModelForCausalLM.from_pretrained(path).eval() for path in (folder, tmp_path / "hf"))
+    assert type(exported) is type(original)
+    ours = load_gpt(checkpoint, torch.device("cpu"))[0]
+    idx = torch.randint(0, 500, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = original(idx).logits
+        torch.testing.assert_close(ours(idx)[0], expected, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(exported(idx).logits, expected, rtol=0, atol=0)
+    assert AutoTokenizer.from_pretrained(tmp_path / "hf").encode(text, add_special_tokens=False) == \
+        HFTokenizer(folder).encode_ordinary(text)
+    logged = {}
+    for nproc in (1, 2):
+        (tmp_path / f"ranks{nproc}").mkdir()
+        result = run(tmp_path / f"ranks{nproc}", config, nproc, init_from=folder, **(SMALL | dict(sample_tokens=0)))
+        assert result.returncode == 0, result.stderr[-3000:]
+        logged[nproc] = {tag: scalars(tmp_path / f"ranks{nproc}" / "tb", tag) for tag in ("train/loss", "val/loss")}
+    for tag, values in logged[1].items():
+        assert values and logged[2][tag] == pytest.approx(values, rel=1e-5), tag

@@ -28,6 +28,7 @@ MODELS = {
     "gemma3": ("Gemma 3", dict(arch="gemma3", n_kv_head=2, sliding_window=8, window_pattern=["local", "global"],
                                rope_theta=1e6, rope_local_theta=1e4, attn_scale_dim=24, logit_softcap=30.0,
                                norm_eps=1e-6)),
+    "qwen2": ("Qwen2", dict(arch="qwen2", n_kv_head=2, tie_embeddings=True)),  # q, k and v biased, the head tied
 }
 
 
@@ -102,10 +103,11 @@ def test_a_key_the_family_does_not_take_is_refused_naming_the_layouts_that_do(op
         validate(cfg)
 
 
-@pytest.mark.parametrize("options", [options for _, options in MODELS.values()] + [dict(arch="gpt2", bias=False)])
+@pytest.mark.parametrize("options", [options for _, options in MODELS.values()] + [dict(arch="gpt2", bias=False),
+                                                                                   dict(arch="qwen2", bias=False)])
 def test_every_weight_maps_to_its_hugging_face_names_and_back(options):
-    """to_hf and init_from's reader by the entry's names, no transformers involved: GPT-2 without
-    biases exports zeros in their place, which the reader leaves where model.GPT has none."""
+    """to_hf and init_from's reader by the entry's names, no transformers involved: GPT-2 and Qwen2
+    without biases export zeros in their place, which the reader leaves where model.GPT has none."""
     cfg = GPTConfig(**SMALL, **options)
     state = trained(cfg).state_dict()
     theirs = to_hf(state, cfg)
@@ -175,6 +177,8 @@ LLAMA_FOLDER = dict(architectures=["LlamaForCausalLM"], model_type="llama", voca
     (dict(hidden_act="gelu"), 'has hidden_act: "gelu"; built here: silu (SwiGLU)'),
     (dict(attention_bias=True), "has attention_bias: true; built here: attention without biases"),
     (dict(attn_logit_softcapping=50.0), "has attn_logit_softcapping: 50.0; built here: attention without a soft cap"),
+    (dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", use_sliding_window=True),
+     "has use_sliding_window: true; built here: full attention in every layer"),
     (dict(architectures=None, model_type="falcon"), "holds a falcon (config.json's model_type); this trainer starts from"),
 ])
 def test_a_folder_of_what_is_not_built_is_refused_naming_the_field(config, refusal, tmp_path):
