@@ -70,12 +70,17 @@ ALL_BIASES = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 # what no class below computes: an export of a model with them is refused, naming the key
 NO_VALUE_EMBEDS = ("value_embeds", lambda cfg: not cfg.value_embeds, "has no value embeddings")
 PLAIN_HEAD = (("logit_softcap", lambda cfg: not cfg.logit_softcap, "has no logit soft cap"), NO_VALUE_EMBEDS)
-# what only Gemma 3's class computes beside these: windows, another attention scale, a second RoPE base
-PLAIN_ATTENTION = (
-    ("sliding_window", lambda cfg: cfg.sliding_window is None, "attends to every earlier token (no sliding window)"),
+# what only some classes compute beside these: windows (Mistral's one on every layer, Gemma 3's local and global
+# layers), another attention scale, a second RoPE base (Gemma 3's), layers without RoPE (SmolLM3's)
+NO_WINDOW = ("sliding_window", lambda cfg: cfg.sliding_window is None,
+             "attends to every earlier token (no sliding window)")
+ONE_WINDOW = ("window_pattern", lambda cfg: len(set(map(cfg.window_of, range(cfg.n_layer)))) == 1,
+              "slides one window over every layer (sliding_window), or none")
+PLAIN_SCORES = (
     ("attn_scale_dim", lambda cfg: cfg.attn_scale_dim in (None, cfg.head_dim), "scales attention by 1/sqrt(head_dim)"),
     ("rope_local_theta", lambda cfg: cfg.rope_local_theta in (None, cfg.rope_theta), "has one RoPE base"),
     ("rope_pattern", lambda cfg: all(map(cfg.rotates, range(cfg.n_layer))), "rotates q and k in every layer"))
+PLAIN_ATTENTION = (NO_WINDOW,) + PLAIN_SCORES
 QK_NORMED = ("qk_norm", lambda cfg: cfg.qk_norm, "normalises q and k (qk_norm: true)")  # a class that always does
 # what a resume may change in every family: a window holds no weights
 WINDOW_KEYS = ("sliding_window", "window_pattern")
@@ -337,7 +342,21 @@ QWEN2 = replace(
     hf_zero_biases=True)  # its class always has them: zeros where bias is false
 
 
-FAMILIES = (GPT2, LLAMA, QWEN3, QWEN3_MOE, GEMMA3, QWEN2)  # each layout's plain family first, its refinements after it
+
+# ---- Mistral: Llama's layout, a sliding window on every layer (v0.1's 4,096) or none (v0.3) ----
+
+def mistral_config(cfg, eot: int | None) -> dict:
+    keys = {k: v for k, v in llama_config(cfg, eot).items() if k not in ("attention_bias", "mlp_bias")}
+    return keys | dict(sliding_window=cfg.sliding_window)
+
+
+MISTRAL = replace(
+    LLAMA, name="Mistral", arch="mistral", hf_class="MistralForCausalLM", hf_model_type="mistral",
+    hf_config=mistral_config,
+    hf_keys=lambda config: llama_keys(config) | dict(arch="mistral", sliding_window=config.get("sliding_window")),
+    hf_limits=PLAIN_HEAD + (ONE_WINDOW,) + PLAIN_SCORES)
+
+FAMILIES = (GPT2, LLAMA, QWEN3, QWEN3_MOE, GEMMA3, QWEN2, MISTRAL)  # each layout's plain family first, its refinements after it
 ARCHS = tuple(dict.fromkeys(family.arch for family in FAMILIES))
 FAMILY_KEYS = frozenset().union(*(family.takes for family in FAMILIES))  # the keys some family lacks
 

@@ -332,6 +332,8 @@ SHAPE = dict(vocab_size=576, hidden_size=64, intermediate_size=128, num_hidden_l
 # its tokenizer's kind and class
 FOLDERS = {
     "qwen2": ("Qwen2ForCausalLM", dict(rope_theta=1e6, tie_word_embeddings=False), "bytelevel", "Qwen2Tokenizer"),
+    # v0.1's window, shorter than the rows of 64 (v0.3's none: tests/test_families.py)
+    "mistral": ("MistralForCausalLM", dict(sliding_window=16), "sentencepiece", "LlamaTokenizer"),
 }
 
 

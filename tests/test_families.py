@@ -29,6 +29,8 @@ MODELS = {
                                rope_theta=1e6, rope_local_theta=1e4, attn_scale_dim=24, logit_softcap=30.0,
                                norm_eps=1e-6)),
     "qwen2": ("Qwen2", dict(arch="qwen2", n_kv_head=2, tie_embeddings=True)),  # q, k and v biased, the head tied
+    "mistral": ("Mistral", dict(arch="mistral", n_kv_head=2, sliding_window=8)),  # v0.1's window, on rows of 32
+    "mistral_v03": ("Mistral", dict(arch="mistral", n_kv_head=1, head_dim=32)),  # no window; Nemo's own head_dim
 }
 
 
@@ -161,6 +163,8 @@ def test_gemma3_scales_its_embeddings_by_one_value_in_every_dtype():
     (dict(arch="gemma3", n_layer=2, sliding_window=8, window_pattern=["global", "local"]),
      "window_pattern: ['global', 'local']: Gemma3ForCausalLM reads N - 1 local layers then a global one"),
     (dict(arch="gemma3", qk_norm=False), "qk_norm: False: Gemma3ForCausalLM normalises q and k"),
+    (dict(arch="mistral", n_layer=2, sliding_window=8, window_pattern=["local", "global"]),
+     "window_pattern: ['local', 'global']: MistralForCausalLM slides one window over every layer"),
 ])
 def test_what_hugging_face_cannot_express_is_refused_naming_the_key(options, key):
     with pytest.raises(UserError, match=re.escape(key)):
