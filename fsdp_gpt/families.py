@@ -356,7 +356,26 @@ MISTRAL = replace(
     hf_keys=lambda config: llama_keys(config) | dict(arch="mistral", sliding_window=config.get("sliding_window")),
     hf_limits=PLAIN_HEAD + (ONE_WINDOW,) + PLAIN_SCORES)
 
-FAMILIES = (GPT2, LLAMA, QWEN3, QWEN3_MOE, GEMMA3, QWEN2, MISTRAL)  # each layout's plain family first, its refinements after it
+
+# ---- OLMo 2: no norm before a sublayer but one on its output, before the residual add; q and k normalised
+# over their whole projections ----
+
+def olmo2_config(cfg, eot: int | None) -> dict:
+    """Llama's keys; no pad token (its class's default, 1, would keep that row of the embedding from
+    training in transformers, where this trainer trains every row)."""
+    return {k: v for k, v in llama_config(cfg, eot).items() if k != "mlp_bias"} | dict(pad_token_id=None)
+
+
+OLMO2 = replace(
+    LLAMA, name="OLMo 2", arch="olmo2", norms="after", qk_norm=True, qk_norm_scope="projection",
+    takes=LLAMA.takes | {"qk_norm"}, hf_class="Olmo2ForCausalLM", hf_model_type="olmo2", hf_config=olmo2_config,
+    hf_keys=lambda config: llama_keys(config) | dict(arch="olmo2", qk_norm=True),
+    # Llama's names but for the norms: post_attention_layernorm normalises the attention's output here
+    hf_names={ours: theirs for ours, theirs in LLAMA.hf_names.items() if not ours.startswith(("ln_1", "ln_2"))} | {
+        "ln_attn_out.weight": "post_attention_layernorm.weight", "ln_mlp_out.weight": "post_feedforward_layernorm.weight"},
+    hf_limits=(QK_NORMED,) + PLAIN_HEAD + PLAIN_ATTENTION)
+
+FAMILIES = (GPT2, LLAMA, QWEN3, QWEN3_MOE, GEMMA3, QWEN2, MISTRAL, OLMO2)  # each layout's plain family first, its refinements after it
 ARCHS = tuple(dict.fromkeys(family.arch for family in FAMILIES))
 FAMILY_KEYS = frozenset().union(*(family.takes for family in FAMILIES))  # the keys some family lacks
 

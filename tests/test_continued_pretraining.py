@@ -334,6 +334,7 @@ FOLDERS = {
     "qwen2": ("Qwen2ForCausalLM", dict(rope_theta=1e6, tie_word_embeddings=False), "bytelevel", "Qwen2Tokenizer"),
     # v0.1's window, shorter than the rows of 64 (v0.3's none: tests/test_families.py)
     "mistral": ("MistralForCausalLM", dict(sliding_window=16), "sentencepiece", "LlamaTokenizer"),
+    "olmo2": ("Olmo2ForCausalLM", dict(rope_theta=5e5, rms_norm_eps=1e-6), "bytelevel", "GPT2Tokenizer"),
 }
 
 

@@ -31,6 +31,7 @@ MODELS = {
     "qwen2": ("Qwen2", dict(arch="qwen2", n_kv_head=2, tie_embeddings=True)),  # q, k and v biased, the head tied
     "mistral": ("Mistral", dict(arch="mistral", n_kv_head=2, sliding_window=8)),  # v0.1's window, on rows of 32
     "mistral_v03": ("Mistral", dict(arch="mistral", n_kv_head=1, head_dim=32)),  # no window; Nemo's own head_dim
+    "olmo2": ("OLMo 2", dict(arch="olmo2", n_kv_head=2)),  # norms after each sublayer, q and k's over each projection
 }
 
 
@@ -163,6 +164,7 @@ def test_gemma3_scales_its_embeddings_by_one_value_in_every_dtype():
     (dict(arch="gemma3", n_layer=2, sliding_window=8, window_pattern=["global", "local"]),
      "window_pattern: ['global', 'local']: Gemma3ForCausalLM reads N - 1 local layers then a global one"),
     (dict(arch="gemma3", qk_norm=False), "qk_norm: False: Gemma3ForCausalLM normalises q and k"),
+    (dict(arch="olmo2", qk_norm=False), "qk_norm: False: Olmo2ForCausalLM normalises q and k"),
     (dict(arch="mistral", n_layer=2, sliding_window=8, window_pattern=["local", "global"]),
      "window_pattern: ['local', 'global']: MistralForCausalLM slides one window over every layer"),
 ])
