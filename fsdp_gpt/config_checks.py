@@ -8,7 +8,8 @@ import dataclasses
 from fsdp_gpt.config import (COMPILE_MODES, CP_MODES, DECAY_SHAPES, DTYPES, EP_STRATEGIES, FP8_LAYERS, FP8_RECIPES,
                              LR_SCHEDULES, MOE_SCORES, MUON_COEFFICIENTS, OPTIMIZERS, STRATEGIES, TrainConfig,
                              UserError, named_paths)
-from fsdp_gpt.families import ARCHS, FAMILIES, LLAMA3_SCALING
+from fsdp_gpt.families import ARCHS, FAMILIES
+from fsdp_gpt.family_parts import LLAMA3_SCALING
 from fsdp_gpt.model_keys import MLPS, ROPE_KINDS, WINDOW_KINDS
 
 

@@ -14,7 +14,8 @@ import torch
 
 from fsdp_gpt.config import UserError
 from fsdp_gpt.config_checks import check_rope_scaling, validate_model
-from fsdp_gpt.families import FAMILIES, Absent, Family, Rows
+from fsdp_gpt.families import FAMILIES
+from fsdp_gpt.family_parts import Absent, Family, Rows
 from fsdp_gpt.files import read_json
 from fsdp_gpt.model import GPT, GPTConfig
 from fsdp_gpt.safetensors_file import read_safetensors

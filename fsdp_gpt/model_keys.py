@@ -5,7 +5,8 @@ Plain Python, no torch: the config reads them without building a model."""
 import dataclasses
 from dataclasses import dataclass
 
-from fsdp_gpt.families import FAMILY_KEYS, Family, family_of, layouts
+from fsdp_gpt.families import FAMILY_KEYS, family_of, layouts
+from fsdp_gpt.family_parts import Family
 
 
 # the mlp key's values: whether c_fc holds a gate beside the up projection (twice as many rows), the

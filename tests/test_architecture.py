@@ -22,12 +22,12 @@ LAYER_OF = {group: i for i, groups in enumerate(LAYERS) for group in groups}
 
 # modules at the package's top that belong to another's group
 GROUP_OF = {"config_help": "config", "config_parse": "config", "config_checks": "config", "moe": "model", "attention": "model", "loss": "model",
-            "model_keys": "families", "safetensors_file": "hf_format"}
+            "model_keys": "families", "family_parts": "families", "safetensors_file": "hf_format"}
 
 
 def group(module: str) -> str:
     """fsdp_gpt.data.loader -> data; fsdp_gpt.config_help -> config; fsdp_gpt.moe, .attention -> model;
-    fsdp_gpt.model_keys -> families."""
+    fsdp_gpt.model_keys, .family_parts -> families."""
     name = module.split(".")[1]
     return GROUP_OF.get(name, name)
 
@@ -80,10 +80,11 @@ def test_model_is_plain_pytorch(module):
         <= {"fsdp_gpt.moe", "fsdp_gpt.attention", "fsdp_gpt.loss", "fsdp_gpt.model_keys", "fsdp_gpt.compat"}
 
 
-@pytest.mark.parametrize("module", ["families.py", "model_keys.py"])
+@pytest.mark.parametrize("module", ["families.py", "family_parts.py", "model_keys.py"])
 def test_the_families_and_model_keys_are_plain_python(module):
     """The config reads them without torch (data preparation's workers import no torch)."""
-    assert {name.split(".")[0] for name in imports(os.path.join(PACKAGE, module))} <= {"dataclasses", "typing", "fsdp_gpt"}
+    assert {name.split(".")[0] for name in imports(os.path.join(PACKAGE, module))} <= {"dataclasses", "typing", "json",
+                                                                                         "fsdp_gpt"}
 
 
 def test_no_module_but_the_families_branches_on_arch():

@@ -9,8 +9,9 @@ import torch
 
 from fsdp_gpt.config import TrainConfig, UserError
 from fsdp_gpt.config_checks import archs_taking, validate
-from fsdp_gpt.families import ALL_BIASES, FAMILIES
+from fsdp_gpt.families import FAMILIES
 from fsdp_gpt.hf_format import fused_like, hf_config, hf_model_keys, read_hf_folder, their_weight, to_hf
+from fsdp_gpt.family_parts import ALL_BIASES
 from fsdp_gpt.model import ACTIVATIONS, GPT, NORM_PLACES, NORMS, QK_NORM_WIDTHS, GPTConfig
 
 SMALL = dict(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=64)
