@@ -297,7 +297,40 @@ OLMO2 = replace(
         "ln_attn_out.weight": "post_attention_layernorm.weight", "ln_mlp_out.weight": "post_feedforward_layernorm.weight"},
     hf_limits=(QK_NORMED,) + PLAIN_HEAD + PLAIN_ATTENTION)
 
-FAMILIES = (GPT2, LLAMA, QWEN3, QWEN3_MOE, GEMMA3, QWEN2, MISTRAL, OLMO2)  # each layout's plain family first, its refinements after it
+
+# ---- Phi-3: Llama's layout, its folders holding q, k and v in one matrix (qkv_proj: our c_attn as it is) and the
+# MLP's gate and up in another (gate_up_proj: our c_fc), a sliding window on every layer (Phi-3-mini-4k's 2,047) ----
+
+# its RoPE beside plain RoPE, as config.json sets it (rope_scaling's type: transformers 5's rope_parameters or 4's)
+PHI3_UNBUILT = (("rope_scaling", lambda kind: kind == "default",
+                 "plain RoPE (longrope, the long-context models' and Phi-3.5's, is not built)"),
+                ("partial_rotary_factor", lambda factor: factor == 1.0, "RoPE over the whole head"))
+
+
+def phi3_config(cfg, eot: int | None) -> dict:
+    """Llama's keys, one window or none; no pad token (its class's default, 32000, is past a smaller
+    vocabulary, and would keep that embedding row from training in transformers)."""
+    keys = {k: v for k, v in llama_config(cfg, eot).items() if k not in ("attention_bias", "mlp_bias")}
+    return keys | dict(sliding_window=cfg.sliding_window, pad_token_id=None, resid_pdrop=0.0, embd_pdrop=0.0)
+
+
+def phi3_keys(config: dict) -> dict:
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    refuse_unbuilt({"rope_scaling": rope.get("rope_type", rope.get("type", "default")),
+                    "partial_rotary_factor": rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))},
+                   PHI3_UNBUILT)
+    return llama_keys(config) | dict(arch="phi3", sliding_window=config.get("sliding_window"))
+
+
+PHI3 = replace(
+    LLAMA, name="Phi-3", arch="phi3", takes=LLAMA.takes - {"rope_scaling"},
+    resumable=tuple(key for key in LLAMA.resumable if key != "rope_scaling"),
+    hf_class="Phi3ForCausalLM", hf_model_type="phi3", hf_config=phi3_config, hf_keys=phi3_keys,
+    hf_names=LLAMA.hf_names | {"attn.c_attn.weight": "self_attn.qkv_proj.weight",  # [q | k | v], as ours
+                               "mlp.c_fc.weight": "mlp.gate_up_proj.weight"},  # [gate | up], as ours
+    hf_limits=PLAIN_HEAD + (ONE_WINDOW,) + PLAIN_SCORES)
+
+FAMILIES = (GPT2, LLAMA, QWEN3, QWEN3_MOE, GEMMA3, QWEN2, MISTRAL, OLMO2, PHI3)  # each layout's plain family first, its refinements after it
 ARCHS = tuple(dict.fromkeys(family.arch for family in FAMILIES))
 FAMILY_KEYS = frozenset().union(*(family.takes for family in FAMILIES))  # the keys some family lacks
 

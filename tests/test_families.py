@@ -33,6 +33,7 @@ MODELS = {
     "mistral": ("Mistral", dict(arch="mistral", n_kv_head=2, sliding_window=8)),  # v0.1's window, on rows of 32
     "mistral_v03": ("Mistral", dict(arch="mistral", n_kv_head=1, head_dim=32)),  # no window; Nemo's own head_dim
     "olmo2": ("OLMo 2", dict(arch="olmo2", n_kv_head=2)),  # norms after each sublayer, q and k's over each projection
+    "phi3": ("Phi-3", dict(arch="phi3", n_kv_head=2, sliding_window=8)),  # qkv_proj and gate_up_proj fused, a window
 }
 
 
@@ -186,6 +187,13 @@ LLAMA_FOLDER = dict(architectures=["LlamaForCausalLM"], model_type="llama", voca
     (dict(attn_logit_softcapping=50.0), "has attn_logit_softcapping: 50.0; built here: attention without a soft cap"),
     (dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", use_sliding_window=True),
      "has use_sliding_window: true; built here: full attention in every layer"),
+    (dict(architectures=["Phi3ForCausalLM"], model_type="phi3", rope_scaling=dict(type="longrope", short_factor=[1.0] * 8,
+                                                                                  long_factor=[2.0] * 8)),
+     'has rope_scaling: "longrope"; built here: plain RoPE'),  # transformers 4's form, Phi-3-mini-128k's
+    (dict(architectures=["Phi3ForCausalLM"], model_type="phi3", rope_parameters=dict(rope_type="longrope")),
+     'has rope_scaling: "longrope"'),  # transformers 5's
+    (dict(architectures=["Phi3ForCausalLM"], model_type="phi3", partial_rotary_factor=0.75),
+     "has partial_rotary_factor: 0.75; built here: RoPE over the whole head"),  # Phi-4-mini's
     (dict(architectures=None, model_type="falcon"), "holds a falcon (config.json's model_type); this trainer starts from"),
 ])
 def test_a_folder_of_what_is_not_built_is_refused_naming_the_field(config, refusal, tmp_path):
