@@ -51,6 +51,11 @@ GPT2 = Family(
     hf_zero_biases=True, hf_limits=PLAIN_HEAD + PLAIN_ATTENTION)
 
 
+def repeating(kinds: list[str]) -> list[str]:
+    """The shortest list that, repeated from the first layer, gives each layer's kind (a *_pattern key's value)."""
+    return next(kinds[:p] for p in range(1, len(kinds) + 1) if all(kind == kinds[i % p] for i, kind in enumerate(kinds)))
+
+
 # ---- Llama, and Qwen3 on its layout ----
 
 def llama_config(cfg, eot: int | None) -> dict:
@@ -204,7 +209,6 @@ def gemma3_keys(config: dict) -> dict:
     if (rope.get("full_attention") or {}).get("rope_type", "default") != "default" or config.get("rope_scaling"):
         raise ValueError("scales its global layers' RoPE (rope_scaling: Gemma 3 4B and up); built here: unscaled RoPE")
     kinds = [GEMMA3_LAYERS[kind] for kind in types]
-    period = next(p for p in range(1, n_layer + 1) if all(kind == kinds[i % p] for i, kind in enumerate(kinds)))
     n_head, n_embd = config["num_attention_heads"], config["hidden_size"]
     head_dim = config.get("head_dim") or n_embd // n_head
     scale_dim = config.get("query_pre_attn_scalar") or head_dim
@@ -215,7 +219,7 @@ def gemma3_keys(config: dict) -> dict:
                 rope_local_theta=float((rope.get("sliding_attention") or {}).get("rope_theta")
                                        or config.get("rope_local_base_freq") or 1e4) if "local" in kinds else None,
                 sliding_window=config["sliding_window"] if "local" in kinds else None,
-                window_pattern=kinds[:period] if "local" in kinds and "global" in kinds else None,
+                window_pattern=repeating(kinds) if "local" in kinds and "global" in kinds else None,
                 attn_scale_dim=None if scale_dim == head_dim else scale_dim, qk_norm=True, mlp="geglu",
                 ffn_hidden=config["intermediate_size"], norm_eps=config.get("rms_norm_eps", 1e-6),
                 logit_softcap=config.get("final_logit_softcapping"), rope_scaling=None,
@@ -330,7 +334,33 @@ PHI3 = replace(
                                "mlp.c_fc.weight": "mlp.gate_up_proj.weight"},  # [gate | up], as ours
     hf_limits=PLAIN_HEAD + (ONE_WINDOW,) + PLAIN_SCORES)
 
-FAMILIES = (GPT2, LLAMA, QWEN3, QWEN3_MOE, GEMMA3, QWEN2, MISTRAL, OLMO2, PHI3)  # each layout's plain family first, its refinements after it
+
+# ---- SmolLM3: Llama's layout, every fourth layer without RoPE (its NoPE layers), the head tied ----
+
+def smollm3_config(cfg, eot: int | None) -> dict:
+    """Llama's keys and no_rope_layers (1: the layer rotates q and k, 0: it does not); no window, no pad
+    token (its class's default, 128004, is past a smaller vocabulary)."""
+    return llama_config(cfg, eot) | dict(no_rope_layers=[int(cfg.rotates(layer)) for layer in range(cfg.n_layer)],
+                                         use_sliding_window=False, sliding_window=None, pad_token_id=None)
+
+
+def smollm3_keys(config: dict) -> dict:
+    """rope_pattern from no_rope_layers, or where config.json has none its class's default: every
+    no_rope_layer_interval-th layer (4) without RoPE."""
+    refuse_unbuilt(config, (("use_sliding_window", lambda window: not window, "full attention in every layer"),))
+    every, n_layer = config.get("no_rope_layer_interval", 4), config["num_hidden_layers"]
+    rotates = config.get("no_rope_layers") or [(layer + 1) % every != 0 for layer in range(n_layer)]
+    return llama_keys(config) | dict(arch="smollm3", rope_pattern=repeating(["rope" if r else "nope" for r in rotates]),
+                                     tie_embeddings=config.get("tie_word_embeddings", True))
+
+
+SMOLLM3 = replace(
+    LLAMA, name="SmolLM3", arch="smollm3", tied=True, rope_pattern=("rope", "rope", "rope", "nope"),
+    hf_class="SmolLM3ForCausalLM", hf_model_type="smollm3", hf_config=smollm3_config, hf_keys=smollm3_keys,
+    hf_limits=PLAIN_HEAD + tuple(row for row in PLAIN_ATTENTION if row[0] != "rope_pattern"))  # its class has NoPE
+
+FAMILIES = (GPT2, LLAMA, QWEN3, QWEN3_MOE, GEMMA3,  # each layout's plain family first, its refinements after it
+            QWEN2, MISTRAL, OLMO2, PHI3, SMOLLM3)
 ARCHS = tuple(dict.fromkeys(family.arch for family in FAMILIES))
 FAMILY_KEYS = frozenset().union(*(family.takes for family in FAMILIES))  # the keys some family lacks
 

@@ -34,11 +34,15 @@ MODELS = {
     "mistral_v03": ("Mistral", dict(arch="mistral", n_kv_head=1, head_dim=32)),  # no window; Nemo's own head_dim
     "olmo2": ("OLMo 2", dict(arch="olmo2", n_kv_head=2)),  # norms after each sublayer, q and k's over each projection
     "phi3": ("Phi-3", dict(arch="phi3", n_kv_head=2, sliding_window=8)),  # qkv_proj and gate_up_proj fused, a window
+    "smollm3": ("SmolLM3", dict(arch="smollm3", n_kv_head=2, rope_pattern=["rope", "nope"])),  # a NoPE layer, tied
 }
 
 
 def hf_model(cfg: GPTConfig, state: dict):
+    import transformers
     from transformers import AutoConfig, AutoModelForCausalLM
+    if not hasattr(transformers, cfg.family.hf_class):  # SmolLM3 arrived in transformers 4.53
+        pytest.skip(f"transformers {transformers.__version__} has no {cfg.family.hf_class}")
     keys = hf_config(cfg, eot=0)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(keys.pop("model_type"), **keys)).eval()
     model.load_state_dict(fused_like(to_hf(state, cfg), model.state_dict()))
@@ -194,6 +198,8 @@ LLAMA_FOLDER = dict(architectures=["LlamaForCausalLM"], model_type="llama", voca
      'has rope_scaling: "longrope"'),  # transformers 5's
     (dict(architectures=["Phi3ForCausalLM"], model_type="phi3", partial_rotary_factor=0.75),
      "has partial_rotary_factor: 0.75; built here: RoPE over the whole head"),  # Phi-4-mini's
+    (dict(architectures=["SmolLM3ForCausalLM"], model_type="smollm3", use_sliding_window=True, sliding_window=16),
+     "has use_sliding_window: true; built here: full attention in every layer"),
     (dict(architectures=None, model_type="falcon"), "holds a falcon (config.json's model_type); this trainer starts from"),
 ])
 def test_a_folder_of_what_is_not_built_is_refused_naming_the_field(config, refusal, tmp_path):
@@ -205,6 +211,15 @@ def test_a_folder_of_what_is_not_built_is_refused_naming_the_field(config, refus
 def test_a_folder_naming_no_class_is_read_by_its_model_type(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_FOLDER | dict(architectures=None)))
     assert hf_model_keys(str(tmp_path))[0]["arch"] == "llama"
+
+
+def test_smollm3s_nope_layers_without_no_rope_layers_are_its_class_default(tmp_path):
+    """SmolLM3's config.json without no_rope_layers: every no_rope_layer_interval-th layer (4) has no RoPE."""
+    smollm3 = LLAMA_FOLDER | dict(architectures=["SmolLM3ForCausalLM"], model_type="smollm3", num_hidden_layers=8)
+    (tmp_path / "config.json").write_text(json.dumps(smollm3))
+    assert hf_model_keys(str(tmp_path))[0]["rope_pattern"] == ["rope", "rope", "rope", "nope"]
+    (tmp_path / "config.json").write_text(json.dumps(smollm3 | dict(no_rope_layer_interval=2)))
+    assert hf_model_keys(str(tmp_path))[0]["rope_pattern"] == ["rope", "nope"]
 
 
 def test_only_the_keys_a_family_lets_change_may_change_on_resume():
