@@ -371,19 +371,26 @@ def test_a_family_continues_from_its_folder_and_exports_as_it_came(name, tmp_pat
     encodes it; a step at learning rate 0 keeps its weights, which compute transformers' logits
     (within 1e-4, on rows longer than any window), and the export loads as its class with the folder's
     logits exactly; 2 ranks train as one process (1e-5)."""
+    import json
+
+    import numpy
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import export_hf
     from fsdp_gpt.checkpoint.ckpt_format import load_gpt
-    from fsdp_gpt.data.prepare import prepare_data
-    from fsdp_gpt.data.tokenizer import HFTokenizer
+    from fsdp_gpt.data.prepare import VAL_EVERY, prepare_data
     folder = family_folder(tmp_path_factory, name)
     docs = write_docs(tmp_path / "docs.jsonl", n=60)
-    text = "\n\n".join(docs) + " 2023 650841823  two  spaces\r\n"
-    assert AutoTokenizer.from_pretrained(folder).encode(text, add_special_tokens=False) == \
-        HFTokenizer(folder).encode_ordinary(text)
-    prepare_data(str(tmp_path / "prepared"), [str(tmp_path / "docs.jsonl")], folder)
+    docs[-1] += "\n\n 2023 650841823  two  spaces\r\n"  # digits, runs of spaces and newlines split per family
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": doc}) + "\n" for doc in docs))
+    meta = prepare_data(str(tmp_path / "prepared"), [str(tmp_path / "docs.jsonl")], folder)
+    theirs = AutoTokenizer.from_pretrained(folder)
+    prepared = {split: numpy.fromfile(tmp_path / "prepared" / f"{split}.bin", dtype=meta["dtype"]).tolist()
+                for split in ("train", "val")}
+    in_order = sorted(enumerate(docs), key=lambda doc: doc[0] % VAL_EVERY == VAL_EVERY - 1)  # train's, then val's
+    assert prepared["train"] + prepared["val"] == [
+        token for _, doc in in_order for token in theirs.encode(doc, add_special_tokens=False) + [meta["eot_token"]]]
     config = bare_config(tmp_path, None)
     quick = SMALL | dict(max_iters=1, eval_interval=100, sample_tokens=0)
     (tmp_path / "kept").mkdir()
@@ -395,13 +402,15 @@ def test_a_family_continues_from_its_folder_and_exports_as_it_came(name, tmp_pat
     original, exported = (AutoModelForCausalLM.from_pretrained(path).eval() for path in (folder, tmp_path / "hf"))
     assert type(exported) is type(original)
     ours = load_gpt(checkpoint, torch.device("cpu"))[0]
+    # the RoPE base both versions read: transformers 4 the top-level key, 5 rope_parameters (5 writes only that)
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["rope_theta"] == ours.config.rope_theta
     idx = torch.randint(0, 500, (2, 64), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = original(idx).logits
         torch.testing.assert_close(ours(idx)[0], expected, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(exported(idx).logits, expected, rtol=0, atol=0)
-    assert AutoTokenizer.from_pretrained(tmp_path / "hf").encode(text, add_special_tokens=False) == \
-        HFTokenizer(folder).encode_ordinary(text)
+    assert AutoTokenizer.from_pretrained(tmp_path / "hf").encode(docs[-1], add_special_tokens=False) == \
+        theirs.encode(docs[-1], add_special_tokens=False)
     logged = {}
     for nproc in (1, 2):
         (tmp_path / f"ranks{nproc}").mkdir()
