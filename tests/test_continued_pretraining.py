@@ -79,6 +79,36 @@ def gemma3_folder(tmp_path_factory) -> str:
     return str(folder)
 
 
+def exported_as_it_came(folder, checkpoint, export, keys_of_5: tuple[str, ...]) -> dict:
+    """A checkpoint kept by a step at learning rate 0 and its export: the checkpoint's model gives
+    transformers' logits of the folder within 1e-4 on rows of 64 (longer than any window here), the
+    export loads as the folder's class with its weights and logits exactly, and so does it without the
+    keys only transformers 5 reads (keys_of_5: what is left is what 4.5x reads). The export's config.json."""
+    import json
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from fsdp_gpt.checkpoint.ckpt_format import load_gpt
+    config = json.loads((export / "config.json").read_text())
+    shutil.copytree(export, export.parent / "as_4_reads")
+    (export.parent / "as_4_reads" / "config.json").write_text(json.dumps({k: v for k, v in config.items()
+                                                                         if k not in keys_of_5}))
+    original, exported, read_as_4 = (AutoModelForCausalLM.from_pretrained(path).eval()
+                                     for path in (folder, export, export.parent / "as_4_reads"))
+    assert type(exported) is type(original) is type(read_as_4)
+    assert all(torch.equal(a, exported.state_dict()[name]) for name, a in original.state_dict().items())
+    ours = load_gpt(str(checkpoint), torch.device("cpu"))[0]
+    idx = torch.randint(0, 500, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = original(idx).logits
+        torch.testing.assert_close(ours(idx)[0], expected, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(exported(idx).logits, expected, rtol=0, atol=0)
+        torch.testing.assert_close(read_as_4(idx).logits, expected, rtol=0, atol=0)
+    return config
+
+
 def bare_config(tmp_path, docs) -> str:
     """A config with no model key and no tokenizer: the folder brings them."""
     path = tmp_path / "continue.yaml"
@@ -94,6 +124,7 @@ def run(run_dir, config: str, nproc: int = 1, **settings):
 
 SMALL = dict(block_size=64, max_iters=2, log_interval=1, eval_interval=2, eval_iters=1, train_batch=4, micro_batch=2,
              warmup_iters=1, lr_decay_iters=2, sample_tokens=4, dtype="fp32")
+AT_LR_0 = dict(max_iters=1, learning_rate=0.0, min_lr=0.0, warmup_iters=0, lr_schedule="constant")  # weights kept
 
 
 def test_the_folder_defines_the_model_and_its_tokenizer_feeds_the_run(qwen3_folder, tmp_path):
@@ -247,17 +278,9 @@ def test_a_gemma3_folder_trains_with_no_model_keys_and_exports_as_it_came(gemma3
     0 exports the same weights, and the checkpoint's model computes transformers' logits on rows
     longer than the window (within 1e-4); the export's config.json holds what transformers 4.5x reads
     beside 5's keys: without 5's, the same model (its local base, 20,000, was 4.51's default 10,000)."""
-    import json
-    import shutil
-
-    import torch
     import yaml
-    from transformers import AutoModelForCausalLM
-
-    from fsdp_gpt.checkpoint.ckpt_format import load_gpt
     write_docs(tmp_path / "docs.jsonl", n=60)
-    settings = SMALL | dict(max_iters=1, learning_rate=0.0, min_lr=0.0, warmup_iters=0, lr_schedule="constant",
-                            tokenizer=gemma3_folder)
+    settings = SMALL | AT_LR_0 | dict(tokenizer=gemma3_folder)
     result = run(tmp_path, bare_config(tmp_path, tmp_path / "docs.jsonl"), init_from=gemma3_folder, **settings)
     assert result.returncode == 0, result.stderr[-3000:]
     for key, value in dict(arch="gemma3", sliding_window=16, window_pattern=["local", "global"], rope_theta=1000000.0,
@@ -265,21 +288,9 @@ def test_a_gemma3_folder_trains_with_no_model_keys_and_exports_as_it_came(gemma3
                            mlp="geglu").items():
         assert "\n" + yaml.safe_dump({key: value}) in result.stdout, key  # the resolved config it prints
     tool("export_hf.py", tmp_path / "ckpt" / "fsdp_cpt1.pth", tmp_path / "hf")
-    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config = exported_as_it_came(gemma3_folder, tmp_path / "ckpt" / "fsdp_cpt1.pth", tmp_path / "hf",
+                                 ("rope_parameters", "layer_types"))
     assert (config["rope_theta"], config["rope_local_base_freq"], config["sliding_window_pattern"]) == (1e6, 2e4, 2)
-    shutil.copytree(tmp_path / "hf", tmp_path / "hf_4")  # as transformers 4.5x reads it: without 5's keys
-    (tmp_path / "hf_4" / "config.json").write_text(json.dumps({k: v for k, v in config.items()
-                                                              if k not in ("rope_parameters", "layer_types")}))
-    original, exported, read_as_4 = (AutoModelForCausalLM.from_pretrained(path).eval()
-                                     for path in (gemma3_folder, tmp_path / "hf", tmp_path / "hf_4"))
-    ours = load_gpt(str(tmp_path / "ckpt" / "fsdp_cpt1.pth"), torch.device("cpu"))[0]
-    assert all(torch.equal(a, exported.state_dict()[name]) for name, a in original.state_dict().items())
-    idx = torch.randint(0, 500, (2, 64), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        expected = original(idx).logits
-        torch.testing.assert_close(ours(idx)[0], expected, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(exported(idx).logits, expected, rtol=0, atol=0)
-        torch.testing.assert_close(read_as_4(idx).logits, expected, rtol=0, atol=0)
 
 
 @pytest.mark.compat
@@ -374,11 +385,9 @@ def test_a_family_continues_from_its_folder_and_exports_as_it_came(name, tmp_pat
     import json
 
     import numpy
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     import export_hf
-    from fsdp_gpt.checkpoint.ckpt_format import load_gpt
     from fsdp_gpt.data.prepare import VAL_EVERY, prepare_data
     folder = family_folder(tmp_path_factory, name)
     docs = write_docs(tmp_path / "docs.jsonl", n=60)
@@ -392,23 +401,12 @@ def test_a_family_continues_from_its_folder_and_exports_as_it_came(name, tmp_pat
     assert prepared["train"] + prepared["val"] == [
         token for _, doc in in_order for token in theirs.encode(doc, add_special_tokens=False) + [meta["eot_token"]]]
     config = bare_config(tmp_path, None)
-    quick = SMALL | dict(max_iters=1, eval_interval=100, sample_tokens=0)
     (tmp_path / "kept").mkdir()
-    kept = run(tmp_path / "kept", config, init_from=folder, **(quick | dict(learning_rate=0.0, min_lr=0.0, warmup_iters=0,
-                                                                         lr_schedule="constant")))
+    kept = run(tmp_path / "kept", config, init_from=folder, **(SMALL | AT_LR_0 | dict(eval_interval=100, sample_tokens=0)))
     assert kept.returncode == 0, kept.stderr[-3000:]
-    checkpoint = str(tmp_path / "kept" / "ckpt" / "fsdp_cpt1.pth")
-    export_hf.export(checkpoint, str(tmp_path / "hf"))
-    original, exported = (AutoModelForCausalLM.from_pretrained(path).eval() for path in (folder, tmp_path / "hf"))
-    assert type(exported) is type(original)
-    ours = load_gpt(checkpoint, torch.device("cpu"))[0]
-    # the RoPE base both versions read: transformers 4 the top-level key, 5 rope_parameters (5 writes only that)
-    assert json.loads((tmp_path / "hf" / "config.json").read_text())["rope_theta"] == ours.config.rope_theta
-    idx = torch.randint(0, 500, (2, 64), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        expected = original(idx).logits
-        torch.testing.assert_close(ours(idx)[0], expected, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(exported(idx).logits, expected, rtol=0, atol=0)
+    checkpoint = tmp_path / "kept" / "ckpt" / "fsdp_cpt1.pth"
+    export_hf.export(str(checkpoint), str(tmp_path / "hf"))
+    exported_as_it_came(folder, checkpoint, tmp_path / "hf", ("rope_parameters",))  # 4.5x reads rope_theta
     assert AutoTokenizer.from_pretrained(tmp_path / "hf").encode(docs[-1], add_special_tokens=False) == \
         theirs.encode(docs[-1], add_special_tokens=False)
     logged = {}
