@@ -329,6 +329,7 @@ def test_fp8_checkpoint_resumes_without_fp8_where_torchao_is_not_installed(fp8_r
 
 @pytest.mark.slow
 def test_checkpoint_without_fp8_resumes_with_it(two_rank_runs, corpus, tmp_path):
+    float8()  # torchao, or skipped saying why
     result = run_trainer(str(tmp_path), nproc=2, resume_from=checkpoint_of(two_rank_runs["sharded"], "sharded", 3),
                          **RUN, **FP8, **corpus)
     assert "resumed from" in result.stdout and "8 of 8 block linears in FP8" in result.stdout
