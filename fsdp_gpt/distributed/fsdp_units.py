@@ -12,7 +12,8 @@ auto picks the fewest blocks whose compute at the device's peak takes UNIT_HOST_
 host work for a unit takes: a unit's compute then covers it. A block that computes that long alone
 stays a unit of its own (Llama 1B on a GPU; the 25M model of tests/test_scale.py on a CPU core);
 where the whole model computes in less, it is one unit: the root's, with the embeddings and the head,
-gathered once a micro-step (the tiny models of the tests and bench/speed.py's fixed_cost).
+gathered once a step (the tiny models of the tests and bench/speed.py's fixed_cost). Where
+ranks communicate on GPUs, at least OVERLAP_UNITS units, so that collectives overlap compute.
 
 The units are a runtime choice: FSDP2 shards each parameter along its rows whatever unit it is in,
 so checkpoints, the optimizer's state and every number computed are the same under any layout.
