@@ -14,8 +14,14 @@ trainer in a folder holding the fixture's data/:
         --data_mix="{a: data/a, b: data/b}" --checkpoint_dir=ckpt --tensorboard_dir=tb
 
 with torch 2.13.0 (CPU build: MKL 2024.2 as its BLAS) on an AMD EPYC with AVX2 (the checkpoint's
-`config` holds every key the run took); after_step3.json holds what that uninterrupted run logged
-after step 3. Made again, the files come out byte for byte the same.
+`config` holds every key the run took); after_step3.json holds, under "2.13.0", what that
+uninterrupted run logged after step 3. Made again, the files come out byte for byte the same.
+
+The figures are torch's as well as the trainer's: under "2.8.0" (CI's oldest torch) are what fb8488c's
+own trainer logs resumed from fsdp_cpt3.pth on torch 2.8.0 under the same pins (run with
+launcher=[python] from a worktree of fb8488c; on torch 2.13.0 that resume logs the "2.13.0" figures).
+They differ in val/loss alone, by an ulp (some kernel of the evaluation's forward, not traced further). A
+torch without figures of its own is skipped, saying so; its figures are made the same way.
 
 Unpinned, the figures are the CPU's: ATen's own kernels (norms, sums, softmax, the optimizer) run
 at the widest vector the CPU has, and AVX-512's 16 lanes sum in another order than AVX2's 8; MKL's
@@ -31,6 +37,7 @@ import json
 import os
 import shutil
 
+import pytest
 import torch
 
 from conftest import DEMO, ROOT, checkpoint_of, run_trainer, scalars
@@ -53,13 +60,17 @@ PINNED_ISA = dict(ATEN_CPU_CAPABILITY="avx2", MKL_CBWR="COMPATIBLE")
 
 
 def test_a_checkpoint_written_before_issue_50_resumes_bitwise(tmp_path):
+    with open(os.path.join(FIXTURE, "after_step3.json")) as f:
+        figures = json.load(f)
+    release = torch.__version__.split("+")[0]
+    if release not in figures:
+        pytest.skip(f"the fixture has figures for torch {', '.join(figures)}, not {release}: see the module's docstring")
+    expected = figures[release]
     data = tmp_path / "data"
     shutil.copytree(os.path.join(FIXTURE, "data"), data)
     resumed = os.path.join(FIXTURE, "fsdp_cpt3.pth")
     result = run_trainer(str(tmp_path), resume_from=resumed, data_path=str(data / "a"), env=PINNED_ISA,
                          data_mix=f"{{a: {data / 'a'}, b: {data / 'b'}}}", **SETTINGS)
-    with open(os.path.join(FIXTURE, "after_step3.json")) as f:
-        expected = json.load(f)
     for tag, values in expected.items():
         assert scalars(str(tmp_path / "tb"), tag) == {int(step): value for step, value in values.items()}, tag
     # what the owners kept went on from the checkpoint's: the spike window (a ring of 4) holds the
