@@ -110,9 +110,9 @@ class TrainConfig(ModelKeys):
     fp8_emulate: bool = key(False, "fp8: the FP8 casts with fp32 matmuls (torchao's emulate), on any device: slow, "
                                    "for tests and trying settings")
     cpu_offload: bool = key(False, "FSDP: parameters, gradients and optimizer state in host memory")
-    fsdp_prefetch: int = key(0, "FSDP: blocks whose all-gathers each block's forward and backward start ahead (0: "
-                                "FSDP2's own order, one block ahead; 1: the same overlap, issued earlier); one "
-                                "process runs unwrapped without it")
+    fsdp_prefetch: int = key(0, "FSDP: units whose all-gathers each unit's forward and backward start ahead (0: "
+                                "FSDP2's own order, one unit ahead; 1: the same overlap, issued earlier); one "
+                                "process runs unwrapped without it; none where the whole model is one unit")
     fsdp_blocks_per_unit: int | str = key("auto", "FSDP: consecutive DecoderBlocks sharded as one unit (one set of "
                                                   "FSDP2's hooks and collectives each): auto (the fewest blocks whose "
                                                   "compute covers FSDP2's fixed cost per unit; the whole model one "

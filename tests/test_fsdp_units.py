@@ -6,7 +6,7 @@ import torch
 
 from fsdp_gpt.config_parse import parse_args
 from fsdp_gpt.distributed import fsdp_units
-from fsdp_gpt.distributed.fsdp_units import UnitLayout, auto_layout
+from fsdp_gpt.distributed.fsdp_units import UnitLayout, auto_layout, choose_layout
 from fsdp_gpt.model import GPT, GPTConfig
 from conftest import DEMO, ROOT
 
@@ -23,9 +23,9 @@ def meta_model(config: str, *overrides: str) -> tuple[GPT, int]:
 def test_a_number_lays_out_that_many_blocks_a_unit_and_auto_balances():
     assert UnitLayout.of(5, 12, "").sizes == (5, 5, 2)
     assert UnitLayout.of(12, 12, "").whole_model
-    assert UnitLayout.balanced(5, 12, "").sizes == (6, 6)  # each at least 5: not 5, 5 and 2
-    assert UnitLayout.balanced(2, 13, "").sizes == (3, 2, 2, 2, 2, 2)
-    assert UnitLayout.balanced(7, 12, "").whole_model
+    assert UnitLayout.balanced(2, 12, "").sizes == (6, 6)
+    assert UnitLayout.balanced(6, 13, "").sizes == (3, 2, 2, 2, 2, 2)
+    assert UnitLayout.balanced(1, 12, "").whole_model
     blocks = list(range(5))
     assert UnitLayout.of(2, 5, "").units(blocks) == [[0, 1], [2, 3], [4]]
     assert UnitLayout.of(5, 5, "").units(blocks) == []  # the root's unit holds them
@@ -53,6 +53,27 @@ def test_auto_on_gpus_that_communicate_keeps_units_enough_to_overlap(config, siz
     layout = auto_layout(model, tokens, torch.device("cuda"), torch.bfloat16, overlap=True)
     assert layout.sizes == sizes
     assert ("whose collectives overlap compute" in layout.describe()) == (config != "gpt2_124M.yaml")
+
+
+def test_auto_gathers_a_gib_a_unit_at_most(monkeypatch):
+    """Llama 2 7B's blocks (4,096 wide, 32 heads, MLP 11,008: 202M parameters, 404 MB a block in bf16)
+    compute in 0.08 ms at 64 tokens a micro-step: by host cost alone the whole model would be one unit;
+    2 blocks a unit (in fp32, 808 MB: a block a unit)."""
+    monkeypatch.setattr(fsdp_units, "device_peak_flops", lambda device, dtype: H100_BF16)
+    model, tokens = meta_model("llama_1B.yaml", "--n_embd=4096", "--n_head=32", "--n_kv_head=32",
+                               "--ffn_hidden=11008", "--block_size=64", "--micro_batch=1")
+    layout = auto_layout(model, tokens, torch.device("cuda"), torch.bfloat16)
+    assert layout.sizes == (2,) * 8 and "at most 2 blocks a unit (1 GiB gathered)" in layout.describe()
+    assert auto_layout(model, tokens, torch.device("cuda"), torch.float32).sizes == (1,) * 16
+
+
+def test_auto_under_cpu_offload_keeps_a_unit_a_block():
+    """Offloading is asked for memory: no unit gathers more than a block (decided from the config,
+    before any rank is asked)."""
+    cfg = parse_args([DEMO, "--cpu_offload=true", "--n_layer=6", "--vocab_size=256"])
+    with torch.device("meta"):
+        model = GPT(GPTConfig.of(cfg))
+    assert choose_layout(cfg, model, torch.device("cpu"), torch.float32).sizes == (1,) * 6
 
 
 def test_auto_on_an_unknown_gpu_keeps_a_unit_a_block(monkeypatch):

@@ -13,10 +13,13 @@ host work for a unit takes: a unit's compute then covers it. A block that comput
 stays a unit of its own (Llama 1B on a GPU; the 25M model of tests/test_scale.py on a CPU core);
 where the whole model computes in less, it is one unit: the root's, with the embeddings and the head,
 gathered once a step (the tiny models of the tests and bench/speed.py's fixed_cost). Where
-ranks communicate on GPUs, at least OVERLAP_UNITS units, so that collectives overlap compute.
+ranks communicate on GPUs, at least OVERLAP_UNITS units, so that collectives overlap compute. A unit
+gathers UNIT_GATHER_BYTES at most, and under cpu_offload (chosen for memory) a unit is a block.
 
 The units are a runtime choice: FSDP2 shards each parameter along its rows whatever unit it is in,
-so checkpoints, the optimizer's state and every number computed are the same under any layout.
+so checkpoints and the optimizer's state are the same under any layout, and at 2 ranks every number
+computed too. At 3 or more on gloo a layout's change may move the last bits: gloo reduce-scatters as
+an all-reduce of the unit's whole buffer, whose ring segments follow the buffer's size.
 """
 import math
 from dataclasses import dataclass
@@ -36,6 +39,10 @@ UNIT_HOST_SECONDS = 4e-3
 # communication at most. So auto keeps at least this many where ranks communicate on GPUs (on a CPU,
 # gloo's collectives hide nothing: FSDP2 waits for each). A judgment, not yet measured on a cluster.
 OVERLAP_UNITS = 4
+# What one unit may hold gathered (a FULL_SHARD step holds about two units at once, more with
+# fsdp_prefetch): a model of billions at small micro-batches would otherwise take units of several
+# GB for host cost alone. A judgment: 1 GiB holds 8 Llama 1B blocks in bf16, 2 of a 7B model's.
+UNIT_GATHER_BYTES = 2**30
 
 
 @dataclass(frozen=True)
@@ -50,10 +57,8 @@ class UnitLayout:
         return cls((blocks_per_unit,) * full + ((rest,) if rest else ()), why)
 
     @classmethod
-    def balanced(cls, at_least: int, n_layer: int, why: str) -> "UnitLayout":
-        """As many units as hold at least `at_least` blocks each, their sizes a block apart at most (12
-        blocks at least 5 a unit: 6 and 6, not 5, 5 and 2)."""
-        count = max(1, n_layer // at_least)
+    def balanced(cls, count: int, n_layer: int, why: str) -> "UnitLayout":
+        """count units, their sizes a block apart at most (12 blocks in 2: 6 and 6)."""
         return cls(tuple(n_layer // count + (i < n_layer % count) for i in range(count)), why)
 
     @property
@@ -98,6 +103,8 @@ def choose_layout(cfg, gpt: GPT, device: torch.device, dtype: torch.dtype) -> Un
     n = gpt.config.n_layer
     if cfg.fsdp_blocks_per_unit != "auto":
         return UnitLayout.of(min(cfg.fsdp_blocks_per_unit, n), n, "fsdp_blocks_per_unit")
+    if cfg.cpu_offload:
+        return UnitLayout.of(1, n, "auto: a unit a block under cpu_offload, which is chosen for memory")
     layout = [None]
     if dist.get_rank() == 0:
         layout[0] = auto_layout(gpt, cfg.micro_batch * cfg.block_size // cfg.cp_size, device, dtype,
@@ -114,10 +121,16 @@ def auto_layout(gpt: GPT, micro_tokens: int, device: torch.device, dtype: torch.
     if peak is None:
         return UnitLayout.of(1, n, "auto: a unit a block, this GPU's peak FLOP/s is unknown")
     block_seconds = block_flops_per_micro_step(gpt, micro_tokens) / peak
-    at_least = max(1, math.ceil(UNIT_HOST_SECONDS / block_seconds))
+    # as many units as hold at least the blocks whose compute covers a unit's host work
+    count = max(1, n // math.ceil(UNIT_HOST_SECONDS / block_seconds))
     why = (f"auto: a block computes {block_seconds * 1e3:.2g} ms a micro-step at the device's peak, FSDP2's host "
            f"work a unit about {UNIT_HOST_SECONDS * 1e3:.0f} ms")
-    if overlap and n // at_least < OVERLAP_UNITS:
-        at_least = max(1, n // OVERLAP_UNITS)
+    if overlap and count < OVERLAP_UNITS:
+        count = n // max(1, n // OVERLAP_UNITS)
         why += f"; at least {OVERLAP_UNITS} units, whose collectives overlap compute"
-    return UnitLayout.balanced(at_least, n, why)
+    block_bytes = max(sum(p.numel() for p in block.parameters()) for block in gpt.blocks) * dtype.itemsize
+    most = max(1, UNIT_GATHER_BYTES // block_bytes)
+    if math.ceil(n / count) > most:
+        count = math.ceil(n / most)
+        why += f"; at most {most} blocks a unit ({UNIT_GATHER_BYTES / 2**30:g} GiB gathered)"
+    return UnitLayout.balanced(count, n, why)
