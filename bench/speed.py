@@ -325,7 +325,7 @@ def bench_fixed_cost(rounds: int, workdir: str) -> None:
             ratio = statistics.median(r / b for r, b in zip(rates[row], rates["baseline"]))
             step_ms[row] = base_ms / ratio
             print(f"| {row} | {ratio:.2f}x | {step_ms[row]:.1f} | {step_ms[row] - base_ms:.1f} |")
-        # a unit a block: 12 units and the root; auto: the whole model one unit. 11 units more, each
+        # a unit a block: 12 units and the root; auto: the whole model one unit. 12 units more, each
         # gathered in forward and again in backward, 2 micro-steps a step
         per_unit = (step_ms["FULL_SHARD, a unit a block"] - step_ms["FULL_SHARD"]) / (12 * 2)
         print(f"FULL_SHARD: {per_unit:.2f} ms a unit and micro-step (the 12 block units' cost over the whole "
