@@ -75,7 +75,12 @@ LLAMA_UNBUILT = (("hidden_act", lambda act: act in (None, "silu"), "silu (SwiGLU
                  ("attn_logit_softcapping", lambda cap: cap is None, "attention without a soft cap"))
 
 
-def llama_keys(config: dict) -> dict:
+# what LlamaForCausalLM takes where config.json is silent (its configuration class's defaults); a
+# family whose class defaults otherwise passes its own
+LLAMA_DEFAULTS = {"rms_norm_eps": 1e-6, "rope_theta": 10000.0}
+
+
+def llama_keys(config: dict, defaults: dict = LLAMA_DEFAULTS) -> dict:
     refuse_unbuilt(config, LLAMA_UNBUILT)
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     kind = rope.get("rope_type", rope.get("type", "default"))
@@ -85,9 +90,10 @@ def llama_keys(config: dict) -> dict:
                 n_layer=config["num_hidden_layers"], n_head=n_head, n_embd=config["hidden_size"],
                 n_kv_head=config.get("num_key_value_heads", n_head), bias=False,
                 head_dim=None if head_dim * n_head == config["hidden_size"] else head_dim,
-                rope_theta=float(config.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+                rope_theta=float(config.get("rope_theta") or rope.get("rope_theta") or defaults["rope_theta"]),
                 rope_scaling=None if kind == "default" else {"rope_type": kind} | {k: rope.get(k) for k in LLAMA3_SCALING},
-                qk_norm=False, ffn_hidden=config["intermediate_size"], norm_eps=config.get("rms_norm_eps", 1e-6),
+                qk_norm=False, ffn_hidden=config["intermediate_size"],
+                norm_eps=config.get("rms_norm_eps", defaults["rms_norm_eps"]),
                 tie_embeddings=config.get("tie_word_embeddings", False), moe_experts=0)
 
 
@@ -273,13 +279,13 @@ QWEN2 = replace(
 
 def mistral_config(cfg, eot: int | None) -> dict:
     keys = {k: v for k, v in llama_config(cfg, eot).items() if k not in ("attention_bias", "mlp_bias")}
-    return keys | dict(sliding_window=cfg.sliding_window)
+    return keys | dict(sliding_window=cfg.window_of(0))  # every layer's (ONE_WINDOW): none where all are global
 
 
 MISTRAL = replace(
     LLAMA, name="Mistral", arch="mistral", hf_class="MistralForCausalLM", hf_model_type="mistral",
     hf_config=mistral_config,
-    hf_keys=lambda config: llama_keys(config) | dict(arch="mistral", sliding_window=config.get("sliding_window")),
+    hf_keys=lambda config: llama_keys(config) | dict(arch="mistral", sliding_window=config.get("sliding_window", 4096)),
     hf_limits=PLAIN_HEAD + (ONE_WINDOW,) + PLAIN_SCORES)
 
 
@@ -295,7 +301,7 @@ def olmo2_config(cfg, eot: int | None) -> dict:
 OLMO2 = replace(
     LLAMA, name="OLMo 2", arch="olmo2", norms="after", qk_norm=True, qk_norm_scope="projection",
     takes=LLAMA.takes | {"qk_norm"}, hf_class="Olmo2ForCausalLM", hf_model_type="olmo2", hf_config=olmo2_config,
-    hf_keys=lambda config: llama_keys(config) | dict(arch="olmo2", qk_norm=True),
+    hf_keys=lambda config: llama_keys(config, LLAMA_DEFAULTS | {"rms_norm_eps": 1e-5}) | dict(arch="olmo2", qk_norm=True),
     # Llama's names but for the norms: post_attention_layernorm normalises the attention's output here
     hf_names={ours: theirs for ours, theirs in LLAMA.hf_names.items() if not ours.startswith(("ln_1", "ln_2"))} | {
         "ln_attn_out.weight": "post_attention_layernorm.weight", "ln_mlp_out.weight": "post_feedforward_layernorm.weight"},
@@ -315,7 +321,7 @@ def phi3_config(cfg, eot: int | None) -> dict:
     """Llama's keys, one window or none; no pad token (its class's default, 32000, is past a smaller
     vocabulary, and would keep that embedding row from training in transformers)."""
     keys = {k: v for k, v in llama_config(cfg, eot).items() if k not in ("attention_bias", "mlp_bias")}
-    return keys | dict(sliding_window=cfg.sliding_window, pad_token_id=None, resid_pdrop=0.0, embd_pdrop=0.0)
+    return keys | dict(sliding_window=cfg.window_of(0), pad_token_id=None, resid_pdrop=0.0, embd_pdrop=0.0)
 
 
 def phi3_keys(config: dict) -> dict:
@@ -323,7 +329,8 @@ def phi3_keys(config: dict) -> dict:
     refuse_unbuilt({"rope_scaling": rope.get("rope_type", rope.get("type", "default")),
                     "partial_rotary_factor": rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))},
                    PHI3_UNBUILT)
-    return llama_keys(config) | dict(arch="phi3", sliding_window=config.get("sliding_window"))
+    return llama_keys(config, LLAMA_DEFAULTS | {"rms_norm_eps": 1e-5}) | dict(arch="phi3",
+                                                                             sliding_window=config.get("sliding_window"))
 
 
 PHI3 = replace(
@@ -350,7 +357,7 @@ def smollm3_keys(config: dict) -> dict:
     refuse_unbuilt(config, (("use_sliding_window", lambda window: not window, "full attention in every layer"),))
     every, n_layer = config.get("no_rope_layer_interval", 4), config["num_hidden_layers"]
     rotates = config.get("no_rope_layers") or [(layer + 1) % every != 0 for layer in range(n_layer)]
-    return llama_keys(config) | dict(arch="smollm3", rope_pattern=repeating(["rope" if r else "nope" for r in rotates]),
+    return llama_keys(config, LLAMA_DEFAULTS | {"rope_theta": 2e6}) | dict(arch="smollm3", rope_pattern=repeating(["rope" if r else "nope" for r in rotates]),
                                      tie_embeddings=config.get("tie_word_embeddings", True))
 
 

@@ -11,7 +11,7 @@ from fsdp_gpt.config import TrainConfig, UserError
 from fsdp_gpt.config_checks import archs_taking, validate
 from fsdp_gpt.families import FAMILIES
 from fsdp_gpt.hf_format import fused_like, hf_config, hf_model_keys, read_hf_folder, their_weight, to_hf
-from fsdp_gpt.family_parts import ALL_BIASES
+from fsdp_gpt.family_parts import ALL_BIASES, ONE_WINDOW
 from fsdp_gpt.model import ACTIVATIONS, GPT, NORM_PLACES, NORMS, QK_NORM_WIDTHS, GPTConfig
 
 SMALL = dict(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=64)
@@ -220,6 +220,39 @@ def test_smollm3s_nope_layers_without_no_rope_layers_are_its_class_default(tmp_p
     assert hf_model_keys(str(tmp_path))[0]["rope_pattern"] == ["rope", "rope", "rope", "nope"]
     (tmp_path / "config.json").write_text(json.dumps(smollm3 | dict(no_rope_layer_interval=2)))
     assert hf_model_keys(str(tmp_path))[0]["rope_pattern"] == ["rope", "nope"]
+
+
+@pytest.mark.parametrize("arch", ["mistral", "phi3"])
+def test_a_window_no_layer_slides_is_not_exported(arch, tmp_path):
+    """A window folder (Mistral v0.1's, Phi-3-mini-4k's) trained with every layer global: these classes
+    slide config.json's window over every layer, so the export writes none, and transformers computes
+    the model's logits on rows longer than the window."""
+    cfg = GPTConfig(**SMALL, **MODELS[arch][1], window_pattern=["global"])
+    assert hf_config(cfg, eot=0)["sliding_window"] is None
+    ours = trained(cfg)
+    idx = torch.randint(0, 256, (2, 32))
+    with torch.no_grad():
+        assert torch.allclose(hf_model(cfg, ours.state_dict())(idx).logits, ours(idx)[0], rtol=1e-4, atol=1e-4)
+
+
+# Llama's folder and its refinements': GPT-2's, Gemma 3's and Qwen3-MoE's folders need keys it lacks
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f.arch not in ("gpt2", "gemma3") and "moe_experts" not in f.when],
+                         ids=lambda family: family.name)
+def test_a_folder_silent_on_a_key_reads_as_its_class_does(family, tmp_path):
+    """config.json without rms_norm_eps, the RoPE base, the window or the tying: each is what the
+    family's class takes then (OLMo 2's and Phi-3's eps 1e-5, SmolLM3's base 2e6, Mistral's window
+    4,096), not Llama's. The window where the class slides one over every layer (ONE_WINDOW): Qwen2's
+    and Qwen3's slide theirs only with use_sliding_window, which is refused."""
+    import transformers
+    if not hasattr(transformers, family.hf_class):
+        pytest.skip(f"transformers {transformers.__version__} has no {family.hf_class}")
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_FOLDER | dict(
+        architectures=[family.hf_class], model_type=family.hf_model_type, max_position_embeddings=8192)))
+    ours, theirs = hf_model_keys(str(tmp_path))[0], transformers.AutoConfig.from_pretrained(tmp_path)
+    rope_theta = (getattr(theirs, "rope_parameters", None) or {}).get("rope_theta") or theirs.rope_theta
+    window = theirs.sliding_window if ONE_WINDOW in family.hf_limits else None
+    assert (ours["norm_eps"], ours["rope_theta"], ours.get("sliding_window"), ours["tie_embeddings"]) == \
+        (theirs.rms_norm_eps, rope_theta, window, theirs.tie_word_embeddings)
 
 
 def test_only_the_keys_a_family_lets_change_may_change_on_resume():
