@@ -43,13 +43,15 @@ def test_auto_on_a_gpu(config, overrides, sizes, monkeypatch):
     assert auto_layout(model, tokens, torch.device("cuda"), torch.bfloat16).sizes == sizes
 
 
-@pytest.mark.parametrize("config, sizes", [("gpt2_124M.yaml", (2,) * 6), ("llama_124M.yaml", (3,) * 4),
-                                           ("train90M_fsdp.yaml", (3,) * 4), ("train300M_fsdp.yaml", (5,) * 4)])
-def test_auto_on_gpus_that_communicate_keeps_units_enough_to_overlap(config, sizes, monkeypatch):
+@pytest.mark.parametrize("config, overrides, sizes", [
+    ("gpt2_124M.yaml", [], (2,) * 6), ("llama_124M.yaml", [], (3,) * 4), ("train90M_fsdp.yaml", [], (3,) * 4),
+    ("train300M_fsdp.yaml", [], (5,) * 4), ("llama_124M.yaml", ["--n_layer=7"], (2, 2, 2, 1))])
+def test_auto_on_gpus_that_communicate_keeps_units_enough_to_overlap(config, overrides, sizes, monkeypatch):
     """Several ranks on GPUs: at least 4 units, whose gathers and reductions hide behind compute
-    (alone, llama_124M would take 2 of 6 blocks, train90M the whole model, train300M 3 of 7, 7 and 6)."""
+    (alone, llama_124M would take 2 of 6 blocks, train90M the whole model, train300M 3 of 7, 7 and 6;
+    7 of llama_124M's blocks one unit: 4 units then, not 7 of a block)."""
     monkeypatch.setattr(fsdp_units, "device_peak_flops", lambda device, dtype: H100_BF16)
-    model, tokens = meta_model(config)
+    model, tokens = meta_model(config, *overrides)
     layout = auto_layout(model, tokens, torch.device("cuda"), torch.bfloat16, overlap=True)
     assert layout.sizes == sizes
     assert ("whose collectives overlap compute" in layout.describe()) == (config != "gpt2_124M.yaml")

@@ -127,7 +127,7 @@ def auto_layout(gpt: GPT, micro_tokens: int, device: torch.device, dtype: torch.
     why = (f"auto: a block computes {block_seconds * 1e3:.2g} ms a micro-step at the device's peak, FSDP2's host "
            f"work a unit about {UNIT_HOST_SECONDS * 1e3:.0f} ms")
     if overlap and count < OVERLAP_UNITS:
-        count = n // max(1, n // OVERLAP_UNITS)
+        count = min(n, OVERLAP_UNITS)  # 7 blocks: 2, 2, 2 and 1, not 7 units of one
         why += f"; at least {OVERLAP_UNITS} units, whose collectives overlap compute"
     block_bytes = max(sum(p.numel() for p in block.parameters()) for block in gpt.blocks) * dtype.itemsize
     most = max(1, UNIT_GATHER_BYTES // block_bytes)
