@@ -87,6 +87,21 @@ def test_a_resume_with_the_same_weights_continues_the_segment_and_with_others_wh
         resumed_segment(["web"], {"web": 1.0}, saved, 10, 8)
 
 
+@pytest.mark.parametrize("batch", [4, 16])
+def test_a_resume_with_another_train_batch_continues_each_source_where_it_stopped(batch):
+    """Saved at step 10 of 8 rows, resumed with 4 or 16 rows a step: no window read twice or skipped
+    in an epoch (the saved segment's rows were numbered by 8), each source on from its count."""
+    first = mixture()
+    segment, note = resumed_segment(["web", "code"], {"web": 0.75, "code": 0.25}, first.state(10), 10, batch)
+    assert note is None
+    after = mixture(segment=segment, batch=batch)
+    steps = range(11, 11 + 80 // batch)  # 80 rows more: 60 of web, 20 of code
+    web_before = [s // 16 for step in range(1, 11) for k, s in zip(*first.rows(step, 16)) if k == 0]
+    web_after = [s // 16 for step in steps for k, s in zip(*after.rows(step, 16)) if k == 0]
+    assert len(web_after) == 60 and sorted((web_before + web_after)[:50]) == list(range(50))
+    assert after.supplied(steps[-1]) == {"web": 60 + 60, "code": 20 + 20}
+
+
 @pytest.mark.parametrize("override, message", [
     (["--data_weights={web: 1}"], "data_weights needs data_mix"),
     (["--data_mix={web: a, code: b}", "--data_weights={web: -0.1, code: 1}"], "data_weights: web=-0.1 must be a number, 0 or more"),

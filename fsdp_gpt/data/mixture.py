@@ -140,11 +140,14 @@ def resumed_segment(names: list[str], weights: dict[str, float], saved: dict | N
     if dropped:
         raise UserError(f"the checkpoint's mixture reads {', '.join(dropped)}, which data_mix lacks: a resume may "
                         f"change data_weights (0 stops a source), not drop a source")
-    if saved["segment"]["weights"] == weights:
-        return Segment(**saved["segment"]), None
     before = saved["segment"]["weights"]
+    # a segment numbers its rows (step - 1) x train_batch on: another train_batch numbers them otherwise,
+    # and each source continues where it stopped in a new segment
+    same_rows = sum(saved["supplied"].values()) == step * train_batch
+    if before == weights and same_rows:
+        return Segment(**saved["segment"]), None
     changes = ", ".join(f"{name} {before.get(name, 0):g} -> {weights[name]:g}" for name in names
                         if before.get(name) != weights[name])
     return Segment(step * train_batch, dict(weights), dict(saved["supplied"])), \
-        f"data_weights changed on resume ({changes}): they apply from step {step + 1} on"
+        (f"data_weights changed on resume ({changes}): they apply from step {step + 1} on" if changes else None)
 
