@@ -168,7 +168,7 @@ def train(cfg) -> int:
                 log.train(step, loss.item(), lr, full_tensor(grad_norm).item(), per_rank_stats(model, optimizer, device, times.row()),
                           guard.skipped_steps(), loader.scalars(step) | balance.scalars(), spikes.since_last_log(),
                           spikes.total())
-                guard.stop_if_too_many(loader.position(step), ckpt.last_saved)
+                guard.stop_if_too_many(loader.position(step), ckpt.finished)
             if request := stop.agreed():
                 # the checkpoint first, no eval or text sample: the grace period before SIGKILL is short
                 watchdog.arm(f"the save of step {step}")

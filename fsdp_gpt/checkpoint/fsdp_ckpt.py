@@ -4,6 +4,7 @@ the files), collectives included: every rank calls every method at the same poin
 What a checkpoint holds beside the tensors, and which owners of state it keeps (keep()), is
 listed in run_state.py.
 """
+import atexit
 import glob
 import os
 import threading
@@ -86,6 +87,8 @@ class CheckpointManager:
         note = agree(lambda: RunLock(self.dir).acquire() if topo.is_main else None)
         if note:
             print(f"note: {note}", flush=True)
+        if cfg.async_save:  # a run that fails before the next wait() still lands the write in flight
+            atexit.register(self._land_write)
         if topo.device.type == "cuda":  # where NCCL's flight recorder dumps on a timeout (watchdog.py)
             agree(lambda: os.makedirs(os.path.join(self.dir, "hang"), exist_ok=True))
 
@@ -169,6 +172,17 @@ class CheckpointManager:
         if self.topo.is_main:
             print(f"saved checkpoint {pending['marker'] or pending['path']}", flush=True)
         self._prune(pending["step"])
+
+    def _land_write(self) -> None:
+        """At exit: this rank's write in flight finished, with no collective (after a failure the peers may be
+        anywhere): a full checkpoint lands; a sharded set's files do, without the marker only wait() writes."""
+        if self._pending and "thread" in self._pending:
+            self._pending["thread"].join()
+
+    def finished(self) -> str | None:
+        """The newest checkpoint, the save in flight finished first (wait(): every rank, at one point)."""
+        self.wait()
+        return self.last_saved
 
     def _discard(self, pending: dict, failed: list[str]) -> None:
         """A failed save: the files of it that did get written go too (an incomplete sharded set holds

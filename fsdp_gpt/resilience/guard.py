@@ -8,6 +8,8 @@ agree with no collective of their own, and the optimizers skip on the device: fu
 as they were) and Muon selects its old values where it is set. Counting happens on the device too;
 the host reads the counters on log steps only, where it waits for the loss anyway.
 """
+from typing import Callable
+
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -39,10 +41,12 @@ class NonFiniteGuard:
     def skipped_steps(self) -> int:
         return int(self.skipped.item())
 
-    def stop_if_too_many(self, position: str, last_good: str | None) -> None:
-        """On log steps (a host sync): stop every rank alike, once `limit` steps in a row were skipped."""
+    def stop_if_too_many(self, position: str, last_saved: Callable[[], str | None]) -> None:
+        """On log steps (a host sync): stop every rank alike, once `limit` steps in a row were skipped.
+        last_saved: the newest checkpoint, a save in flight finished first (every rank stops here alike)"""
         step = int(self.stopped_at.item())
         if step:
+            last_good = last_saved()
             raise RunStopped(f"{self.limit} consecutive steps up to step {step} had a non-finite loss or gradient "
                              f"norm and were skipped ({self.skipped_steps()} in all): stopped. Data position: "
                              f"{position}. Last good checkpoint: {last_good or 'none yet'}")
