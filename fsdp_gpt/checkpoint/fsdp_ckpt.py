@@ -175,9 +175,10 @@ class CheckpointManager:
 
     def _land_write(self) -> None:
         """At exit: this rank's write in flight finished, with no collective (after a failure the peers may be
-        anywhere): a full checkpoint lands; a sharded set's files do, without the marker only wait() writes."""
+        anywhere): a full checkpoint lands; a sharded set's files do, without the marker only wait() writes.
+        Bounded as a save is (init_timeout): a write stuck on a hung disk does not keep the process."""
         if self._pending and "thread" in self._pending:
-            self._pending["thread"].join()
+            self._pending["thread"].join(timeout=self.cfg.init_timeout)
 
     def finished(self) -> str | None:
         """The newest checkpoint, the save in flight finished first (wait(): every rank, at one point)."""
