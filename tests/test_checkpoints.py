@@ -128,6 +128,16 @@ def test_the_inspector_says_what_a_checkpoint_holds(two_rank_runs, corpus, tmp_p
     assert out[2] == (f"  step 6, sharded: not complete: sharded checkpoint of step 6 in {damaged}/ is incomplete "
                       f"(no fsdp_sharded_cpt6.complete): some rank never finished writing it")
     assert out[3:] == ["no complete checkpoint"]
+    # step 6's rank 1 file cut to half: every rank file's header is read (a resume would refuse it)
+    cut = str(tmp_path / "cut")
+    shutil.copytree(sharded, cut)
+    with open(ckpt_format.shard_path(cut, 6, 1), "r+b") as f:
+        f.truncate(os.path.getsize(ckpt_format.shard_path(cut, 6, 1)) // 2)
+    assert ckpt_inspect.main([cut]) == 0  # step 3 is complete
+    out = capsys.readouterr().out.splitlines()
+    assert out[2].startswith(f"  step 6, sharded: not complete: checkpoint {cut}/fsdp_sharded_cpt6_rank1.pth is corrupt "
+                             f"or truncated")
+    assert out[3] == f"the newest complete, {cut}/fsdp_sharded_cpt3_rank0.pth (what --resume_from=latest takes):"
 
 
 def test_killed_worker_restarts_from_latest(corpus, tmp_path):

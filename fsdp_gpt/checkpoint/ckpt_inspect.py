@@ -38,11 +38,11 @@ def _sharded(directory: str, step: int, verify: bool) -> tuple[dict, str]:
         raise CorruptCheckpoint(f"the files of ranks {missing} of {world} are missing")
     if index is not None:
         check_whole(index, marker_path(directory, step))
-    if verify:  # every file whole, of this set, holding what the index lists
-        files = open_rank_files(directory, step, range(world))
-        for r, f in enumerate(files if index is not None else []):
-            check_file(index, f, r, shard_path(directory, step, r))
-    first = files[0] if verify else read_verified(shard_path(directory, step, 0), mmap=True, checksum=False)
+    # every file whole, of this set, holding what the index lists: what a resume opens (--verify: every byte too)
+    files = open_rank_files(directory, step, range(world), checksum=verify)
+    for r, f in enumerate(files if index is not None else []):
+        check_file(index, f, r, shard_path(directory, step, r))
+    first = files[0]
     rows = f"its index holds every row of {len(index)} tensors" if index is not None else "a set older than the index"
     return first, f"yes: the marker and {world} of {world} rank files; {rows}" + (
         ", every checksum matches" if verify else "")
