@@ -127,8 +127,9 @@ def launch_two_nodes(tmp_path, settings: dict) -> list[tuple[int, str, str]]:
     return [(node.returncode, *output) for node, output in zip(nodes, [n.communicate(timeout=300) for n in nodes])]
 
 
-# HYBRID_SHARD writes sharded checkpoints (each node its ranks' files, on its "local disk"): the
-# node-local test below resumes from them; the others write rank 0's full file
+# HYBRID_SHARD writes sharded checkpoints (each node its ranks' files, on its "local disk"), keeping the
+# newest (keep_last: 1, which each node's ranks apply to their own files): the node-local test below
+# resumes from them; the others write rank 0's full file
 TWO_NODES = {"HYBRID_SHARD": "sharded", "HYBRID_SHARD_ZERO2": "full", "FULL_SHARD": "full"}
 
 
@@ -139,7 +140,8 @@ def two_nodes(corpus, tmp_path_factory):
     def run(strategy: str):
         def launch(folder):
             settings = TINY | RUN | corpus | dict(sharding_strategy=strategy, checkpoint_type=TWO_NODES[strategy],
-                                                  checkpoint_dir="ckpt", tensorboard_dir="tb")
+                                                  checkpoint_dir="ckpt", tensorboard_dir="tb",
+                                                  keep_last=int(TWO_NODES[strategy] == "sharded"))
             outputs = launch_two_nodes(Path(folder), settings)
             (Path(folder) / "outputs.json").write_text(json.dumps(outputs))
         folder = Path(shared(tmp_path_factory, f"two_nodes/{strategy}", launch))
@@ -161,12 +163,11 @@ def test_two_nodes_match_one_process(strategy, single_process, two_nodes):
     if TWO_NODES[strategy] == "full":
         assert os.listdir(folder / "node1") == []
         assert sorted(os.listdir(folder / "node0" / "ckpt")) == ["fsdp_cpt3.pth", f"fsdp_cpt{STEPS}.pth"]
-    else:  # each node's own folder: the markers where rank 0 is
+    else:  # each node's own folder: the markers where rank 0 is; step 3's files gone from both (keep_last)
         assert os.listdir(folder / "node1") == ["ckpt"]
         assert sorted(os.listdir(folder / "node0" / "ckpt")) == [
-            f"fsdp_sharded_cpt{s}{end}" for s in (3, STEPS) for end in (".complete", "_rank0.pth", "_rank1.pth")]
-        assert sorted(os.listdir(folder / "node1" / "ckpt")) == [
-            f"fsdp_sharded_cpt{s}_rank{r}.pth" for s in (3, STEPS) for r in (2, 3)]
+            f"fsdp_sharded_cpt{STEPS}{end}" for end in (".complete", "_rank0.pth", "_rank1.pth")]
+        assert sorted(os.listdir(folder / "node1" / "ckpt")) == [f"fsdp_sharded_cpt{STEPS}_rank{r}.pth" for r in (2, 3)]
 
 
 def test_sharded_checkpoints_on_node_local_disks(two_nodes, corpus, tmp_path):

@@ -198,17 +198,30 @@ class CheckpointManager:
                   f"{self.last_saved or 'none yet'}", flush=True)
 
     def _prune(self, saved_step: int) -> None:
-        """Keep the keep_last newest checkpoints up to the one just saved; never a newer one."""
-        if not self.cfg.keep_last or not self.topo.is_main:
+        """Keep the keep_last newest checkpoints up to the one just saved; never a newer one. Rank 0
+        decides and removes the full files and the markers (a set stops being visible first); then each
+        rank removes its own rank files, which on node-local disks no other rank sees."""
+        if not self.cfg.keep_last:
             return
-        ours = [(step, kind) for step, kind in complete_checkpoints(self.dir) if step <= saved_step]
-        for step, kind in sorted(ours, reverse=True)[self.cfg.keep_last:]:
-            if kind == "full":
-                os.remove(full_path(self.dir, step))
-            else:
-                os.remove(marker_path(self.dir, step))  # first: the set stops being visible
+        pruned = [agree(lambda: self._prune_visible(saved_step) if self.topo.is_main else None)]
+        dist.broadcast_object_list(pruned, src=0)
+        world, rank = self.topo.world_size, self.topo.rank
+
+        def remove_rank_files():  # and rank 0 the files of ranks this run lacks (a set written by more ranks)
+            for step in pruned[0]:
                 for path in glob.glob(os.path.join(self.dir, f"fsdp_sharded_cpt{step}_rank*.pth")):
-                    os.remove(path)
+                    if (owner := int(SHARD_RE.search(path).group(2))) == rank or (owner >= world and rank == 0):
+                        os.remove(path)
+        agree(remove_rank_files)
+
+    def _prune_visible(self, saved_step: int) -> list[int]:
+        """Rank 0: the full files and markers beyond keep_last removed; the sharded sets' steps."""
+        ours = [(step, kind) for step, kind in complete_checkpoints(self.dir) if step <= saved_step]
+        sets = []
+        for step, kind in sorted(ours, reverse=True)[self.cfg.keep_last:]:
+            os.remove(full_path(self.dir, step) if kind == "full" else marker_path(self.dir, step))
+            sets += [step] if kind != "full" else []
+        return sets
 
     def close(self) -> None:
         """Finish the last save; a run whose last save failed stops with exit 1 (its newest steps
