@@ -206,12 +206,15 @@ def test_damaged_checkpoints_refused_and_latest_falls_back(corpus, tmp_path):
     assert sorted(os.listdir(directory)) == [  # keep_last pruned step 2
         "fsdp_sharded_cpt4.complete", "fsdp_sharded_cpt4_rank0.pth", "fsdp_sharded_cpt6.complete",
         "fsdp_sharded_cpt6_rank0.pth"]
+    shutil.copy(directory / "fsdp_sharded_cpt6_rank0.pth", directory / "fsdp_sharded_cpt8_rank0.pth")  # no marker
     flip_byte(directory / "fsdp_sharded_cpt6_rank0.pth")
     with pytest.raises(UserError, match="fsdp_sharded_cpt6_rank0.pth is corrupt: its checksum"):
         ckpt_format.read_sharded(str(directory), 6)
     result = run_trainer(str(tmp_path), checkpoint_type="sharded", max_iters=7, resume_from="latest",
                          tensorboard_dir=str(tmp_path / "tb2"), **corpus)
     assert "skipping a damaged checkpoint: checkpoint" in result.stdout
+    assert (f"skipping an incomplete checkpoint: sharded checkpoint of step 8 in {directory}/ is incomplete (no "
+            f"fsdp_sharded_cpt8.complete): some rank never finished writing it") in result.stdout
     assert f"resumed from {directory / 'fsdp_sharded_cpt4_rank0.pth'} at step 4" in result.stdout
     # a set that mixes steps: step 4's file where step 6's should be
     os.replace(directory / "fsdp_sharded_cpt4_rank0.pth", directory / "fsdp_sharded_cpt6_rank0.pth")

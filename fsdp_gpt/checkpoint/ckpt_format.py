@@ -235,12 +235,23 @@ def complete_checkpoints(directory: str) -> list[tuple[int, str]]:
     return found
 
 
+def incomplete_sets(directory: str) -> list[int]:
+    """The steps of sharded sets with rank files but no marker, newest first."""
+    ranked = {int(m.group(1)) for name in (os.listdir(directory) if os.path.isdir(directory) else [])
+              if (m := SHARD_RE.fullmatch(name))}
+    return sorted((step for step in ranked if not os.path.isfile(marker_path(directory, step))), reverse=True)
+
+
+def incomplete(directory: str, step: int) -> str:
+    return (f"sharded checkpoint of step {step} in {directory}/ is incomplete (no "
+            f"{os.path.basename(marker_path(directory, step))}): some rank never finished writing it")
+
+
 def read_marker(directory: str, step: int) -> dict:
     """The .complete marker of a sharded set: step, world_size and (since the index) index."""
     marker = marker_path(directory, step)
     if not os.path.isfile(marker):
-        raise CorruptCheckpoint(f"sharded checkpoint of step {step} in {directory}/ is incomplete "
-                                f"(no {os.path.basename(marker)}): some rank never finished writing it")
+        raise CorruptCheckpoint(incomplete(directory, step))
     return read_verified(marker)
 
 

@@ -17,8 +17,8 @@ from torch.utils._pytree import tree_map_only
 
 from fsdp_gpt.checkpoint.ckpt_format import (
     FULL_OPTIONS, LOAD_OPTIONS, SHARD_RE, CorruptCheckpoint, check_model_shape, complete_checkpoints, fill_local,
-    full_path, host_copy, is_first_replica, load_file, marker_path, open_rank_files, piece_of, read_marker,
-    read_sharded, save_atomically, shard_path, WriteFailed)
+    full_path, host_copy, incomplete, incomplete_sets, is_first_replica, load_file, marker_path, open_rank_files,
+    piece_of, read_marker, read_sharded, save_atomically, shard_path, WriteFailed)
 from fsdp_gpt.checkpoint.ckpt_index import build_index, check_file, check_whole, files_to_open, layout, model_key, wanted_rows
 from fsdp_gpt.checkpoint.run_lock import RunLock
 from fsdp_gpt.checkpoint.run_state import header
@@ -277,14 +277,23 @@ class CheckpointManager:
             try:  # loaders raise before touching the model, on every rank alike
                 loaded = self._load(path, model, optimizer)
                 # the only newer sets are the damaged ones skipped above: `latest` skips them again
+                self._say_incomplete(loaded)
                 self._announce(path, loaded)
                 return loaded
             except CorruptCheckpoint as e:
                 if self.topo.is_main:
                     print(f"skipping a damaged checkpoint: {e}", flush=True)
+        self._say_incomplete(0)
         if self.topo.is_main:
             print(f"no usable checkpoint in {self.dir}/ yet: starting from scratch", flush=True)
         return 0
+
+    def _say_incomplete(self, taken: int) -> None:
+        """Rank 0 names the sharded sets newer than the step taken that lack their marker (a save cut short)."""
+        if self.topo.is_main:
+            for step in incomplete_sets(self.dir):
+                if step > taken:
+                    print(f"skipping an incomplete checkpoint: {incomplete(self.dir, step)}", flush=True)
 
     def _load(self, path: str, model, optimizer) -> int:
         if match := SHARD_RE.search(os.path.basename(path)):
