@@ -89,6 +89,8 @@ def test_consolidated_sharded_equals_full(two_rank_runs, tmp_path):
     assert merged["optimizer"]["param_groups"] == full["optimizer"]["param_groups"]
     assert merged["step"] == full["step"] == 6
     assert merged["world_size"] == full["world_size"] == 2 and merged["train_state"] == full["train_state"]
+    report, complete = ckpt_inspect.inspect(out)  # under the name it was given, as a resume takes it
+    assert complete and report.startswith(f"{out}:\n  step         6: the state after it")
 
 
 def test_the_inspector_says_what_a_checkpoint_holds(two_rank_runs, corpus, tmp_path, capsys):

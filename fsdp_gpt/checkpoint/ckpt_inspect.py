@@ -23,9 +23,9 @@ from fsdp_gpt.config import FIELDS, UserError
 from fsdp_gpt.model import GPT, GPTConfig
 
 
-def _full(directory: str, step: int, verify: bool) -> tuple[dict, str]:
+def _full(path: str, verify: bool) -> tuple[dict, str]:
     """(header, why it is complete) of a full file; CorruptCheckpoint where it is not."""
-    ckpt = read_verified(full_path(directory, step), mmap=True, checksum=verify)
+    ckpt = read_verified(path, mmap=True, checksum=verify)
     return ckpt, "yes: one file under its final name" + (", its checksum matches" if verify else "")
 
 
@@ -58,10 +58,13 @@ def _any_header(directory: str, step: int) -> dict | None:
     return None
 
 
-def read_checkpoint(directory: str, step: int, kind: str, verify: bool) -> tuple[dict | None, bool, str]:
-    """(its header where one is readable, whether it is complete, why or why not)."""
+def read_checkpoint(directory: str, step: int | None, kind: str, verify: bool,
+                    path: str | None = None) -> tuple[dict | None, bool, str]:
+    """(its header where one is readable, whether it is complete, why or why not); path: a full file
+    under a name of its own (consolidate.py's output, a renamed copy)."""
     try:
-        ckpt, why = (_full if kind == "full" else _sharded)(directory, step, verify)
+        ckpt, why = (_full(path or full_path(directory, step), verify) if kind == "full"
+                     else _sharded(directory, step, verify))
         return ckpt, True, why
     except CorruptCheckpoint as e:
         return (None if kind == "full" else _any_header(directory, step)), False, f"no: {e}"
@@ -176,14 +179,15 @@ def inspect(path: str, verify: bool = False) -> tuple[str, bool]:
         name = full_path(path, step) if kind == "full" else shard_path(path, step, 0)
         return "\n".join(lines + [f"the newest complete, {name} (what --resume_from=latest takes):"] +
                          _report(read, kind)), True
-    match = FULL_RE.search(path) or SHARD_RE.search(path) or MARKER_RE.search(path)
-    if not match:
-        raise UserError(f"{path} is not named as a checkpoint (fsdp_cpt{{step}}.pth, fsdp_sharded_cpt{{step}}_rank{{r}}.pth "
+    sharded = SHARD_RE.search(os.path.basename(path)) or MARKER_RE.search(os.path.basename(path))
+    if not sharded and not path.endswith(".pth"):
+        raise UserError(f"{path} is not named as a checkpoint (a .pth file, fsdp_sharded_cpt{{step}}_rank{{r}}.pth "
                         f"or its .complete marker), nor a folder")
     if not os.path.exists(path) and "{rank}" not in path:
         raise UserError(f"{path} not found")
-    kind = "full" if match.re is FULL_RE else "sharded"
-    read = read_checkpoint(os.path.dirname(path) or ".", int(match.group(1)), kind, verify)
+    kind = "sharded" if sharded else "full"  # a full file under any name: the one given, read as it is
+    read = read_checkpoint(os.path.dirname(path) or ".", int(sharded.group(1)) if sharded else None, kind, verify,
+                           path=None if sharded else path)
     return "\n".join([f"{path}:"] + _report(read, kind)), read[1]
 
 
