@@ -202,6 +202,14 @@ def flip_byte(path, fraction=0.6):
         f.write(bytes([byte[0] ^ 0xFF]))
 
 
+@pytest.mark.parametrize("config, layout", [({}, "not wrapped"), ({"force_fsdp": True}, "FULL_SHARD"),
+                                            ({"cpu_offload": True}, "FULL_SHARD")])
+def test_the_inspector_says_how_one_process_trained(config, layout):
+    """One process trains the plain model unless force_fsdp or cpu_offload wraps it (launch.wrapping)."""
+    written = ckpt_inspect._writer({"world_size": 1}, "full", {"sharding_strategy": "FULL_SHARD"} | config)
+    assert written == f"1 rank, {layout}; full format"
+
+
 def test_damaged_checkpoints_refused_and_latest_falls_back(corpus, tmp_path):
     run_trainer(str(tmp_path), checkpoint_type="sharded", max_iters=6, save_interval=2, keep_last=2, **corpus)
     directory = tmp_path / "ckpt"
@@ -279,8 +287,11 @@ def test_resume_refuses_a_folder_with_newer_checkpoints_and_prune_keeps_new_save
     assert result.returncode == 2, result.stderr
     assert (f"error: {directory}/ holds checkpoints of steps 6, newer than the resumed step 4: move them out of "
             f"{directory}/ or set --checkpoint_dir to a new folder") in result.stderr
-    # a fresh start in that folder: keep_last never deletes what this run wrote for older steps' sake
-    run_trainer(str(tmp_path), max_iters=2, save_interval=1, keep_last=1, **corpus)
+    # a fresh start in that folder, said at start-up: keep_last never deletes what this run wrote for older steps' sake
+    result = run_trainer(str(tmp_path), max_iters=2, save_interval=1, keep_last=1, **corpus)
+    assert (f"note: {directory}/ holds checkpoints of an earlier run (up to step 6): this run starts from scratch and "
+            f"replaces those of the steps it saves; until it saves past them, --resume_from=latest would take the "
+            f"newest of them") in result.stdout
     assert sorted(os.listdir(directory)) == ["fsdp_cpt2.pth", "fsdp_cpt4.pth", "fsdp_cpt6.pth"]
 
 

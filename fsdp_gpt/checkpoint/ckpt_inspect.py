@@ -100,7 +100,7 @@ def _tokens(step: int, config: dict, data: dict) -> str:
 def _writer(ckpt: dict, kind: str, config: dict) -> str:
     world = ckpt.get("world_size")
     ranks = f"{world} rank{'s' * (world != 1)}" if world else "ranks not recorded (the checkpoint predates it)"
-    if world == 1 and not config.get("force_fsdp"):
+    if world == 1 and not (config.get("force_fsdp") or config.get("cpu_offload")):  # launch.wrapping's rule
         layout = "not wrapped"  # one process trains the plain model
     else:
         layout = config.get("sharding_strategy", "?") if config.get("fsdp", True) else "DDP"

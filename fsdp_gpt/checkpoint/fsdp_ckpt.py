@@ -236,6 +236,7 @@ class CheckpointManager:
     def resume(self, resume_from: str | None, model, optimizer) -> int:
         """Load model and optimizer state; return the step to continue after (0: fresh start)."""
         if resume_from is None:
+            agree(lambda: self._note_earlier_run() if self.topo.is_main else None)
             return 0
         if resume_from == "latest":
             return self._resume_latest(model, optimizer)
@@ -248,6 +249,14 @@ class CheckpointManager:
         self.last_saved = path
         if self.topo.is_main:
             print(f"resumed from {path} at step {step}", flush=True)
+
+    def _note_earlier_run(self) -> None:
+        """A fresh start in a folder that holds checkpoints: until this run saves past them, a restart
+        with --resume_from=latest would take the newest of them, another run's."""
+        if found := complete_checkpoints(self.dir):
+            print(f"note: {self.dir}/ holds checkpoints of an earlier run (up to step {max(s for s, _ in found)}): this "
+                  f"run starts from scratch and replaces those of the steps it saves; until it saves past them, "
+                  f"--resume_from=latest would take the newest of them", flush=True)
 
     def _refuse_newer(self, step: int) -> None:
         """Checkpoints newer than the resumed step belong to an abandoned run: `latest` would
