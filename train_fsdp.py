@@ -103,15 +103,25 @@ def train(cfg) -> int:
     topo = init_distributed(cfg)
     if cfg.init_from:  # the folder defines the model (and the tokenizer, unless one is named)
         agree(lambda: define_model(cfg))
-    rank, device = topo.rank, topo.device
     accum_steps = accumulation_steps(cfg, topo)
-    dtype = compute_dtype(cfg.dtype, device)
+    dtype = compute_dtype(cfg.dtype, topo.device)
     check_offload(dtype, cfg.cpu_offload)
     check_skip(cfg, dtype)
-    check_fp8(cfg, device)
+    check_fp8(cfg, topo.device)
     # each rank reads the data itself (node-local disks): a failure on one stops every rank
     sources = agree(lambda: prepare_sources(cfg.data_mix, cfg.data_path, cfg.data_source, cfg.tokenizer))
     watchdog = Watchdog(topo, cfg)  # data preparation, which may take hours, is not bounded
+    try:  # closed however the run ends: left armed in a process that goes on (tests), it would end it later
+        return train_watched(cfg, topo, stop, watchdog, sources, accum_steps, dtype)
+    finally:
+        watchdog.close()
+
+
+def train_watched(cfg, topo: Topology, stop: StopRequest, watchdog: Watchdog, sources: dict, accum_steps: int,
+                  dtype: torch.dtype) -> int:
+    """train() from the data on, each phase bounded by the watchdog: start-up, the resume, the steps,
+    evals and saves, the last save."""
+    rank, device = topo.rank, topo.device
     watchdog.arm("start-up")
     tokenizer = settle_data(cfg, sources, topo)
     mc_sets = load_mc_sets(cfg, topo)
@@ -189,7 +199,6 @@ def train(cfg) -> int:
     ckpt.close()
     log.close(per_rank_stats(model, optimizer, device))
     code = stop.close()
-    watchdog.close()
     if topo.is_main:
         print(f"done: last checkpoint {ckpt.last_saved}, TensorBoard logs in {cfg.tensorboard_dir}/", flush=True)
     return code

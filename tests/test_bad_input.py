@@ -3,6 +3,7 @@ import os
 import shutil
 import signal
 import subprocess
+import threading
 import types
 
 import pytest
@@ -27,6 +28,8 @@ def assert_one_line_error(result, *phrases):
 
 
 def train_in_process(argv, tmp_path, monkeypatch) -> int:
+    """The trainer's body in this process, as its entry point runs it. However it ends, its watchdog
+    ends with it: one left armed would end this process (the test session's worker) init_timeout later."""
     monkeypatch.chdir(tmp_path)
     try:
         return exit_code(lambda: train_fsdp.train(parse_args(argv)))
@@ -34,6 +37,9 @@ def train_in_process(argv, tmp_path, monkeypatch) -> int:
         if dist.is_initialized():  # the failure came after the process group was made
             dist.destroy_process_group()
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the trainer's handler
+        for watchdog in (t for t in threading.enumerate() if t.name == "watchdog"):
+            watchdog.join(timeout=5)
+            assert not watchdog.is_alive(), "the trainer left its watchdog running"
 
 
 def one_line(code, capsys, *phrases):
