@@ -24,7 +24,7 @@ from fsdp_gpt.checkpoint.run_lock import RunLock
 from fsdp_gpt.checkpoint.run_state import header
 from fsdp_gpt.config import RunStopped, UserError
 from fsdp_gpt.distributed.float8 import plain
-from fsdp_gpt.distributed.launch import agree
+from fsdp_gpt.distributed.launch import agree, decided_on_rank0
 from fsdp_gpt.distributed.shards import local_slice, zero_rows
 
 
@@ -203,12 +203,11 @@ class CheckpointManager:
         rank removes its own rank files, which on node-local disks no other rank sees."""
         if not self.cfg.keep_last:
             return
-        pruned = [agree(lambda: self._prune_visible(saved_step) if self.topo.is_main else None)]
-        dist.broadcast_object_list(pruned, src=0)
+        pruned = decided_on_rank0(lambda: self._prune_visible(saved_step))
         world, rank = self.topo.world_size, self.topo.rank
 
         def remove_rank_files():  # and rank 0 the files of ranks this run lacks (a set written by more ranks)
-            for step in pruned[0]:
+            for step in pruned:
                 for path in glob.glob(os.path.join(self.dir, f"fsdp_sharded_cpt{step}_rank*.pth")):
                     if (owner := int(SHARD_RE.search(path).group(2))) == rank or (owner >= world and rank == 0):
                         os.remove(path)
@@ -277,9 +276,7 @@ class CheckpointManager:
 
     def _resume_latest(self, model, optimizer) -> int:
         # rank 0's listing decides, so every rank tries the same checkpoints in the same order
-        found = [agree(lambda: sorted(complete_checkpoints(self.dir), reverse=True) if self.topo.is_main else None)]
-        dist.broadcast_object_list(found, src=0)
-        for step, kind in found[0]:
+        for step, kind in decided_on_rank0(lambda: sorted(complete_checkpoints(self.dir), reverse=True)):
             path = full_path(self.dir, step) if kind == "full" else shard_path(self.dir, step, 0)
             if kind == "sharded":
                 self._check_visible(step)
@@ -325,11 +322,10 @@ class CheckpointManager:
     def _load_sharded(self, directory: str, step: int, model, optimizer) -> int:
         names = _parameter_names(model)
         # rank 0 reads the marker once for every rank, and checks from its index that the set is whole
-        marker = [agree(lambda: self._read_marker(directory, step) if self.topo.is_main else None)]
-        dist.broadcast_object_list(marker, src=0)
+        marker = decided_on_rank0(lambda: self._read_marker(directory, step))
         # the first replica of each slice reads it; the other replicas receive it (below)
         reads = is_first_replica(next(iter(names)), self.topo.rank)
-        files = agree(lambda: self._open_needed(directory, marker[0], names) if reads else [])
+        files = agree(lambda: self._open_needed(directory, marker, names) if reads else [])
         # which parameters have optimizer state, its keys, tensors' shapes and scalars (`step`), and the train state:
         # rank 0 reads, tells all
         skeleton = [{name: {key: value["shape"] if isinstance(value, dict) else value for key, value in saved.items()}

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from fsdp_gpt.distributed.launch import agree
+from fsdp_gpt.distributed.launch import decided_on_rank0
 from fsdp_gpt.distributed.peak_flops import gpu_peak_flops, timed_matmul_flops, vector_peak_flops
 from fsdp_gpt.model import GPT
 
@@ -106,12 +106,8 @@ def choose_layout(cfg, gpt: GPT, device: torch.device, dtype: torch.dtype) -> Un
         return UnitLayout.of(min(cfg.fsdp_blocks_per_unit, n), n, "fsdp_blocks_per_unit")
     if cfg.cpu_offload:
         return UnitLayout.of(1, n, "auto: a unit a block under cpu_offload, which is chosen for memory")
-    # agree: should rank 0 fail here, every rank says so, none waits in the broadcast
-    layout = [agree(lambda: auto_layout(gpt, cfg.micro_batch * cfg.block_size // cfg.cp_size, device, dtype,
-                                        overlap=device.type == "cuda" and dist.get_world_size() > 1)
-                    if dist.get_rank() == 0 else None)]
-    dist.broadcast_object_list(layout, src=0)
-    return layout[0]
+    return decided_on_rank0(lambda: auto_layout(gpt, cfg.micro_batch * cfg.block_size // cfg.cp_size, device, dtype,
+                                                overlap=device.type == "cuda" and dist.get_world_size() > 1))
 
 
 def auto_layout(gpt: GPT, micro_tokens: int, device: torch.device, dtype: torch.dtype,

@@ -201,6 +201,14 @@ def agree(fn):
     return result
 
 
+def decided_on_rank0(fn):
+    """fn's result, computed by rank 0 alone and sent to every rank (what one rank reads or decides for
+    all); a failure there reaches every rank (agree), none is left waiting in the broadcast."""
+    result = [agree(lambda: fn() if dist.get_rank() == 0 else None)]
+    dist.broadcast_object_list(result, src=0)
+    return result[0]
+
+
 def run_entry_point(body: Callable[[], int | None]) -> NoReturn:
     """Run `body`, then leave with its exit code: what it returns (None: 0), 2 bad input, 1 anything else.
 
