@@ -13,6 +13,7 @@ rendezvous across launches) is tested with torchrun; conftest.run_trainer uses t
     python tests/zygote.py --run SOCKET_PATH NPROC SCRIPT ARGS  # a client, as `python SCRIPT ARGS` would be
                                                                 # (test_docs.py's python and torchrun)
 """
+import gc
 import json
 import os
 import runpy
@@ -106,12 +107,16 @@ def serve(path: str) -> None:
     sys.path.insert(0, ROOT)
     import train_fsdp  # noqa: F401 - the imports every rank needs, done once here
     import torch
+    import torch.utils.tensorboard  # noqa: F401 - rank 0's, imported when it logs: 0.28 CPU-seconds a run
     from fsdp_gpt.compat import float8_training
     from fsdp_gpt.distributed.float8 import torchao_float8
     try:  # fp8's torchao where it runs: 1.6 CPU-seconds a rank otherwise (a run without fp8 never reads it)
         torchao_float8() if float8_training() else None
     except ImportError:
         pass
+    # what was imported, in the permanent generation: a full collection in a rank (the garbage
+    # collector's own, or gc.collect) walked all of it, 0.2 s each, and touching it copied the pages
+    gc.freeze()
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(path)
     server.listen()
