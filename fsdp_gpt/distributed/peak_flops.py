@@ -32,7 +32,11 @@ GPU_PEAK_FLOPS = {
 
 
 FMA_UNITS = 2  # FMA pipes per core on x86 server cores since Haswell and Zen 2: an upper bound where there is one
-MATMUL_SIZE, MATMUL_SECONDS = 256, 0.3  # the timed matmuls: fp32, for at least this long, the fastest round taken
+# the timed matmuls: fp32, for at least this long, the fastest round taken. 0.05 s is ~140 rounds of
+# a third of a millisecond: 2026-11-29, 15 timings each on one core beside 2 busy processes, 0.05 s
+# gave 75-92 GFLOP/s and 0.3 s 76-94 (quiet: 72-75 and 70-92), so the longer timing only cost every
+# CPU run (and each of the suite's few hundred) 0.25 s more of start-up
+MATMUL_SIZE, MATMUL_SECONDS = 256, 0.05
 
 
 def gpu_peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
