@@ -188,13 +188,19 @@ def check_window(cfg: TrainConfig) -> None:
             f"attn_scale_dim must be positive (null: head_dim), got {cfg.attn_scale_dim}")
     require(cfg.rope_local_theta is None or cfg.rope_local_theta > 0,
             f"rope_local_theta must be positive (null: rope_theta), got {cfg.rope_local_theta}")
-    if cfg.rope_local_theta is not None and not any(cfg.window_of(layer) for layer in range(cfg.n_layer)):
-        # unused: a Gemma 3 checkpoint resumed without its window would move its local layers to rope_theta unsaid
-        why = ("sliding_window: null" if cfg.sliding_window is None else
-               f"window_pattern {cfg.window_pattern} over {cfg.n_layer} layers")
-        raise UserError(f"rope_local_theta={cfg.rope_local_theta:g} is the local layers' RoPE base, and no layer is "
-                        f"local ({why}): make a layer local (sliding_window, window_pattern), or set "
-                        f"rope_local_theta: null (every layer on rope_theta)")
+    local = [layer for layer in range(cfg.n_layer) if cfg.window_of(layer)]
+    if cfg.rope_local_theta is not None and not any(cfg.rotates(layer) for layer in local):
+        # unused: a Gemma 3 checkpoint resumed without its window would move its local layers to rope_theta
+        # unsaid, and local layers without positions (NoPE) take no base at all
+        if local:
+            what = f"no local layer rotates (rope_pattern {cfg.rope_pattern} leaves layers {local} without positions)"
+            fix = "rotate a local layer (rope_pattern)"
+        else:
+            why = ("sliding_window: null" if cfg.sliding_window is None else
+                   f"window_pattern {cfg.window_pattern} over {cfg.n_layer} layers")
+            what, fix = f"no layer is local ({why})", "make a layer local (sliding_window, window_pattern)"
+        raise UserError(f"rope_local_theta={cfg.rope_local_theta:g} is the local layers' RoPE base, and {what}: "
+                        f"{fix}, or set rope_local_theta: null (every layer on rope_theta)")
 
 
 def check_context_parallel(cfg: TrainConfig) -> None:

@@ -77,6 +77,11 @@ def one_line(code, capsys, *phrases):
                                                        "layer is local (sliding_window: null): make a layer local"]),
     ({"arch": "gemma3", "rope_local_theta": 2e4, "sliding_window": 8, "window_pattern": "[global]"},
      ["no layer is local (window_pattern ['global'] over 2 layers)", "or set rope_local_theta: null"]),
+    # local layers without positions (SmolLM3's NoPE) take no base either
+    ({"arch": "llama", "rope_local_theta": 2e4, "sliding_window": 8, "window_pattern": "[global, local]",
+      "rope_pattern": "[rope, nope]", "n_layer": 4},
+     ["rope_local_theta=20000 is the local layers' RoPE base, and no local layer rotates (rope_pattern ['rope', "
+      "'nope'] leaves layers [1, 3] without positions): rotate a local layer (rope_pattern), or set rope_local_theta: null"]),
     ({"arch": "llama", "rope_pattern": "[rope, none]"}, ["rope_pattern must be a list of rope and nope", "got ['rope', 'none']"]),
     ({"attn_scale_dim": 0}, ["attn_scale_dim must be positive (null: head_dim), got 0"]),
     ({"arch": "mamba"}, [f"arch 'mamba' is not one of {', '.join(ARCHS)}", "gpt2"]),
