@@ -122,6 +122,14 @@ class ModelKeys:
         pattern = self.rope_pattern or self.family.rope_pattern
         return pattern[layer % len(pattern)] == "rope"
 
+    def rope_base(self, layer: int) -> tuple[str, float] | None:
+        """(key, value) of the RoPE base block `layer` rotates with (model.rotaries): rope_local_theta
+        for a local layer where it is set, else rope_theta; None for a layer without positions (NoPE)."""
+        if not self.rotates(layer):
+            return None
+        local = self.rope_local_theta and self.window_of(layer)
+        return ("rope_local_theta", self.rope_local_theta) if local else ("rope_theta", self.rope_theta)
+
     def foreign_keys(self) -> dict:
         """{key: value} of the keys given here that the family does not take: such a key keeps its
         default, or states what the family makes of it (GPT-2's n_kv_head: n_head)."""

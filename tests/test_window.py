@@ -1,6 +1,8 @@
 """Sliding-window attention: each attention path against a dense mask (key j of query i where
 i - W < j <= i), its gradients too; a window at least the row equals full attention exactly; the
 band's cost is linear in the row."""
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -165,3 +167,16 @@ def test_a_window_that_covers_the_row_trains_as_full_attention_exactly(windowed,
         runs[name] = losses(tmp_path / name)
     assert runs["covering"] == runs["full"] and len(runs["full"]) == 8
     assert runs["full"] != losses(windowed("one", 1))  # the window of 6 trains otherwise
+
+
+@pytest.mark.slow
+def test_a_resume_that_moves_layers_between_rope_bases_names_them(windowed, corpus, tmp_path):
+    """window_pattern [local, global] -> [global, local] (a change a resume may make): the note says
+    which layers now rotate with the other base, which the pattern's change alone leaves unsaid."""
+    from conftest import run_trainer
+    checkpoint = os.path.join(windowed("one", 1), "ckpt", "fsdp_cpt8.pth")
+    result = run_trainer(str(tmp_path), **(WINDOWED | dict(window_pattern=["global", "local"], max_iters=9,
+                                                           resume_from=checkpoint)), **corpus)
+    assert ("note: the context changes on resume: window_pattern ['local', 'global'] -> ['global', 'local'], RoPE base "
+            "of layers [0] from rope_local_theta 500 to rope_theta 10000, RoPE base of layers [1] from rope_theta 10000 "
+            "to rope_local_theta 500; the weights are the checkpoint's") in result.stdout, result.stdout[-2000:]

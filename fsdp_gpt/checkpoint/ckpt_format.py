@@ -177,6 +177,19 @@ def check_model_shape(source: str, saved: dict, cfg, action: str = "resume it") 
     return changes
 
 
+def rope_base_moves(saved: dict, cfg) -> list[str]:
+    """The layers a resume moves from one RoPE base to the other (a window_pattern or sliding_window
+    changed beside rope_local_theta, or rope_local_theta set or unset), one entry per kind of move:
+    the window's change alone would not say that these layers' positions now rotate otherwise."""
+    theirs, ours = GPTConfig(**saved), GPTConfig.of(cfg)
+    moves = {}
+    for layer in range(ours.n_layer):
+        was, now = theirs.rope_base(layer), ours.rope_base(layer)
+        if was and now and was[0] != now[0]:
+            moves.setdefault((was, now), []).append(layer)
+    return [f"layers {layers} from {was[0]} {was[1]:g} to {now[0]} {now[1]:g}" for (was, now), layers in moves.items()]
+
+
 def host_copy(t: torch.Tensor) -> torch.Tensor:
     """A host copy that owns its bytes: what is written never aliases a training tensor, and
     device tensors (a fused optimizer's `step` lives on the GPU) leave the device first; a weight

@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_map_only
 from fsdp_gpt.checkpoint.ckpt_format import (
     FULL_OPTIONS, LOAD_OPTIONS, SHARD_RE, CorruptCheckpoint, check_model_shape, complete_checkpoints, fill_local,
     full_path, host_copy, incomplete, incomplete_sets, is_first_replica, load_file, marker_path, open_rank_files,
-    piece_of, read_marker, read_sharded, save_atomically, shard_path, WriteFailed)
+    piece_of, read_marker, read_sharded, rope_base_moves, save_atomically, shard_path, WriteFailed)
 from fsdp_gpt.checkpoint.ckpt_index import build_index, check_file, check_whole, files_to_open, layout, model_key, wanted_rows
 from fsdp_gpt.checkpoint.run_lock import RunLock
 from fsdp_gpt.checkpoint.run_state import header
@@ -396,7 +396,8 @@ class CheckpointManager:
             raise UserError(f"{source}: a mixture's run can't change block_size on resume (its checkpoint counts each "
                             f"source's rows of {saved['block_size']} tokens): keep block_size={saved['block_size']}")
         if changes and self.topo.is_main:
-            said = ", ".join(f"{key} {was} -> {now}" for key, (was, now) in changes.items())
+            said = ", ".join([f"{key} {was} -> {now}" for key, (was, now) in changes.items()] +
+                             [f"RoPE base of {move}" for move in rope_base_moves(saved, self.cfg)])
             print(f"note: the context changes on resume: {said}; the weights are the checkpoint's, "
                   f"the data continues after its step (each batch a function of (seed, step))", flush=True)
 
