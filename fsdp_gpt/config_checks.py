@@ -52,11 +52,11 @@ def validate_model(cfg: TrainConfig) -> None:
     require(cfg.ffn_hidden is None or cfg.ffn_hidden > 0, f"ffn_hidden must be positive, got {cfg.ffn_hidden}")
     require(0 <= cfg.value_embeds <= cfg.n_layer, f"value_embeds must be 0 to n_layer={cfg.n_layer}, got {cfg.value_embeds}")
     require(cfg.mlp is None or cfg.mlp in MLPS, f"mlp '{cfg.mlp}' is not one of {', '.join(MLPS)}")
-    check_window(cfg)
     pattern = cfg.rope_pattern
     require(pattern is None or (isinstance(pattern, list) and pattern and all(kind in ROPE_KINDS for kind in pattern)),
             f"rope_pattern must be a list of {' and '.join(ROPE_KINDS)} (each layer's, repeated over the layers), got "
             f"{pattern}")
+    check_window(cfg)  # after rope_pattern: it reads which layers rotate
     require(cfg.logit_softcap is None or cfg.logit_softcap > 0,
             f"logit_softcap must be positive (or null: off), got {cfg.logit_softcap}")
     # each block starts the gathers of the ones after it: a depth past the last block would say more
@@ -193,7 +193,8 @@ def check_window(cfg: TrainConfig) -> None:
         # unused: a Gemma 3 checkpoint resumed without its window would move its local layers to rope_theta
         # unsaid, and local layers without positions (NoPE) take no base at all
         if local:
-            what = f"no local layer rotates (rope_pattern {cfg.rope_pattern} leaves layers {local} without positions)"
+            pattern = list(cfg.rope_pattern or cfg.family.rope_pattern)  # the family's where the key is null
+            what = f"no local layer rotates (rope_pattern {pattern} leaves layers {local} without positions)"
             fix = "rotate a local layer (rope_pattern)"
         else:
             why = ("sliding_window: null" if cfg.sliding_window is None else

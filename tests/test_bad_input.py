@@ -83,6 +83,12 @@ def one_line(code, capsys, *phrases):
      ["rope_local_theta=20000 is the local layers' RoPE base, and no local layer rotates (rope_pattern ['rope', "
       "'nope'] leaves layers [1, 3] without positions): rotate a local layer (rope_pattern), or set rope_local_theta: null"]),
     ({"arch": "llama", "rope_pattern": "[rope, none]"}, ["rope_pattern must be a list of rope and nope", "got ['rope', 'none']"]),
+    # the family's pattern where the key is null (SmolLM3's: layer 3 takes no positions), and a bad pattern
+    # named as such before the window's check reads it
+    ({"arch": "smollm3", "n_layer": 4, "sliding_window": 8, "window_pattern": "[global, global, global, local]",
+      "rope_local_theta": 2e4}, ["no local layer rotates (rope_pattern ['rope', 'rope', 'rope', 'nope'] leaves layers [3]"]),
+    ({"arch": "llama", "sliding_window": 8, "rope_local_theta": 2e4, "rope_pattern": "[none]"},
+     ["rope_pattern must be a list of rope and nope", "got ['none']"]),
     ({"attn_scale_dim": 0}, ["attn_scale_dim must be positive (null: head_dim), got 0"]),
     ({"arch": "mamba"}, [f"arch 'mamba' is not one of {', '.join(ARCHS)}", "gpt2"]),
     ({"arch": "llama", "n_head": 4, "n_kv_head": 3}, ["n_kv_head=3 must divide n_head=4"]),
