@@ -188,10 +188,11 @@ def check_window(cfg: TrainConfig) -> None:
             f"attn_scale_dim must be positive (null: head_dim), got {cfg.attn_scale_dim}")
     require(cfg.rope_local_theta is None or cfg.rope_local_theta > 0,
             f"rope_local_theta must be positive (null: rope_theta), got {cfg.rope_local_theta}")
-    local = [layer for layer in range(cfg.n_layer) if cfg.window_of(layer)]
-    if cfg.rope_local_theta is not None and not any(cfg.rotates(layer) for layer in local):
+    bases = {base[0] for base in map(cfg.rope_base, range(cfg.n_layer)) if base}  # the model's rule, per layer
+    if cfg.rope_local_theta is not None and "rope_local_theta" not in bases:
         # unused: a Gemma 3 checkpoint resumed without its window would move its local layers to rope_theta
         # unsaid, and local layers without positions (NoPE) take no base at all
+        local = [layer for layer in range(cfg.n_layer) if cfg.window_of(layer)]
         if local:
             pattern = list(cfg.rope_pattern or cfg.family.rope_pattern)  # the family's where the key is null
             what = f"no local layer rotates (rope_pattern {pattern} leaves layers {local} without positions)"
