@@ -295,9 +295,12 @@ def test_a_lost_node_costs_the_steps_since_the_last_save(corpus, tmp_path):
     while not os.path.exists(tmp_path / "ckpt" / "fsdp_cpt2.pth") and time.time() < deadline:
         time.sleep(0.2)
     lost = nodes[1]
-    for pid in subprocess.run(["pgrep", "-P", str(lost.pid)], capture_output=True, text=True).stdout.split():
-        os.kill(int(pid), signal.SIGKILL)  # its worker: a session of its own, outside the agent's group
+    workers = subprocess.run(["pgrep", "-P", str(lost.pid)], capture_output=True, text=True).stdout.split()
+    # the agent first: killed after its worker, it could see the worker die and join the restart's round
+    # in between, and the surviving node then waited 60 s for the dead agent's role in that round
     lost.kill()
+    for pid in workers:
+        os.kill(int(pid), signal.SIGKILL)  # its worker: a session of its own, outside the agent's group
     killed = time.monotonic()
     assert nodes[0].wait(timeout=240) == 0, (tmp_path / "node0.txt").read_text()[-3000:]
     output = (tmp_path / "node0.txt").read_text()
