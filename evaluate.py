@@ -57,7 +57,7 @@ def main(argv: list[str]) -> int:
     loader = BatchLoader(sources, model.config.block_size, micro_batch, micro_batch, 0, 1, run["seed"], device,
                          segment, doc_mask=doc_mask)  # one rank, val windows only
     n_windows = (args.eval_iters or run["eval_iters"]) * run["train_batch"]
-    with autocast(dtype, device, fsdp=False):
+    with autocast(dtype, device):
         total = val_loss_sums(model, loader, n_windows)
     loss, per_source = val_losses(total, loader)
     each = "".join(f" | {name} {value:.6f}" for name, value in per_source.items()) if mix else ""
@@ -71,7 +71,7 @@ def multiple_choice(model, step: int, paths: dict[str, str], tokenizer: str, ite
     block_size = model.config.block_size
     for name, items in load_sets(paths, tokenizer, model.config.vocab_size).items():
         start = time.perf_counter()
-        with autocast(dtype, device, fsdp=False):
+        with autocast(dtype, device):
             scores = accuracies(mc_sums(model, items, block_size, items_per_forward, 0, 1, device))
         print(f"step {step} | {name} | acc {scores['acc']:.4f} | acc_norm {scores['acc_norm']:.4f} | {len(items)} "
               f"items, {truncated(items, block_size)} truncated to block_size {block_size} | "

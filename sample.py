@@ -29,7 +29,7 @@ def main(argv: list[str]) -> int:
     device = pick_device()
     model, ckpt = load_gpt(args.checkpoint, device)
     tokenizer = get_tokenizer(ckpt["config"]["tokenizer"])
-    with autocast(compute_dtype(ckpt["config"]["dtype"], device), device, fsdp=False):  # as the run computed
+    with autocast(compute_dtype(ckpt["config"]["dtype"], device), device):  # as the run computed
         text = complete(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_k or None,
                         args.seed, device)
     print(text)

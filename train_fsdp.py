@@ -26,6 +26,7 @@ from fsdp_gpt.distributed.launch import Topology, agree, init_distributed, run_e
 from fsdp_gpt.distributed.parallelize import build_model, forward_context, micro_steps
 from fsdp_gpt.distributed.shards import full_tensor
 from fsdp_gpt.distributed.precision import check_offload, compute_dtype
+from fsdp_gpt.distributed.replicated import gradient_reduction
 from fsdp_gpt.evaluation.in_training import evaluate, load_mc_sets
 from fsdp_gpt.hf_format import define_model
 from fsdp_gpt.model import GPTConfig
@@ -147,6 +148,7 @@ def train_watched(cfg, topo: Topology, stop: StopRequest, watchdog: Watchdog, so
     guard = NonFiniteGuard(device, cfg.max_skipped_steps)
     compute = forward_context(cfg, topo)
     set_micro_step = micro_steps(cfg, model)
+    reduce_whole_grads = gradient_reduction(model, topo)  # the vectors FSDP2 leaves whole
     if step == 0:
         watchdog.arm("the eval at step 0")
         log.val(0, *evaluate(model, gpt, loader, cfg, tokenizer, mc_sets, compute))
@@ -162,6 +164,7 @@ def train_watched(cfg, topo: Topology, stop: StopRequest, watchdog: Watchdog, so
             lr = set_lr(optimizer, lr_at(cfg, step))
             seed_device(cfg.seed + 1_000_003 * step + rank, device)  # dropout masks: a function of (step, rank)
             loss = forward_backward(model, loader, step, accum_steps, times, compute, scaler, set_micro_step)
+            reduce_whole_grads()
             spike = spikes.check(step, loss)
             scaler.unscale_(optimizer)
             grad_norm = clip_gradients(model, cfg.grad_clip or math.inf)

@@ -58,7 +58,7 @@ def main(argv: list[str]) -> int:
     per_forward = run["micro_batch"]
     dtype = compute_dtype(run["dtype"], device)
     start = time.perf_counter()
-    with autocast(dtype, device, fsdp=False):
+    with autocast(dtype, device):
         scores = accuracies(mc_sums(model, items, cfg.block_size, per_forward, 0, 1, device))
     seconds = time.perf_counter() - start
     weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))

@@ -11,6 +11,7 @@ import pytest
 import torch
 import yaml
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -75,15 +76,16 @@ def test_auto_dtype_skips_emulated_bf16(monkeypatch):
 
 
 @pytest.mark.parametrize("fsdp, world, offload, wrap, expected", [
-    (False, 2, False, "ddp", torch.bfloat16), (True, 2, False, "fsdp", torch.float32),
+    (False, 2, False, "ddp", torch.bfloat16), (True, 2, False, "fsdp", torch.bfloat16),
     (True, 1, False, "none", torch.bfloat16), (False, 1, False, "none", torch.bfloat16),
     (True, 1, True, "fsdp", torch.float32)])
 def test_wrapping_and_who_casts_the_compute(fsdp, world, offload, wrap, expected):
-    """One process runs the model unwrapped unless offloading; under DDP and unwrapped, autocast
-    casts the compute; under FSDP the MixedPrecisionPolicy does (no autocast)."""
+    """One process runs the model unwrapped unless offloading. Autocast casts the compute unwrapped,
+    under DDP, and under FSDP for the vectors FSDP2 leaves whole (replicated.py); under cpu_offload
+    FSDP2 shards every parameter and its MixedPrecisionPolicy casts them all (no autocast)."""
     cfg = parse_args([DEMO, "--dtype=bf16", f"--fsdp={str(fsdp).lower()}", f"--cpu_offload={str(offload).lower()}"])
     assert wrapping(cfg, world) == wrap
-    with precision.autocast(torch.bfloat16, torch.device("cpu"), fsdp=wrap == "fsdp"):
+    with train_fsdp.forward_context(cfg, Topology(0, world, 0, world, torch.device("cpu"), wrap, None))():
         assert torch.nn.Linear(4, 4)(torch.randn(2, 4)).dtype == expected
 
 
@@ -107,6 +109,29 @@ def test_rope_tables_reach_every_block_in_fp32_under_fsdp(one_process_group):
         block.register_forward_pre_hook(lambda module, args: seen.append((args[0].dtype, args[1][0].dtype)))
     model(torch.randint(0, 256, (2, 16)))
     assert seen == [(torch.bfloat16, torch.float32)] * 2  # x in the compute dtype, the tables in fp32
+
+
+def test_fsdp_shards_the_matrices_and_leaves_the_vectors_whole(one_process_group):
+    """FSDP2 shards the matrices and embeddings; the vectors (norms' weights, biases) stay whole, in
+    fp32, outside its per-parameter work (replicated.py), and autocast casts them for the compute
+    (a linear's fp32 bias beside FSDP2's bf16 weight fails without it). Under cpu_offload every
+    parameter is sharded."""
+    shape = ("--arch=gpt2", "--n_kv_head=null", "--bias=true")
+    models = {wrap: built(wrap, *shape) for wrap in ("none", "fsdp")}
+    sharded = {name: isinstance(p, DTensor) for name, p in models["fsdp"][0].named_parameters()}
+    assert sharded == {name: p.dim() >= 2 for name, p in models["none"][0].named_parameters()}
+    assert sum(sharded.values()) < len(sharded) / 2  # GPT-2: most of its tensors are vectors
+    assert len(models["fsdp"][0]._get_fsdp_state()._fsdp_param_group.fsdp_params) == sum(sharded.values())
+    x, losses = torch.randint(0, 256, (2, 16)), {}
+    for wrap, (model, cfg, topo) in models.items():
+        with train_fsdp.forward_context(cfg, topo)():
+            losses[wrap] = model(x, x)[1]
+        losses[wrap].backward()
+    assert losses["fsdp"].item() == pytest.approx(losses["none"].item(), rel=1e-4)
+    vectors = [p for p in models["fsdp"][0].parameters() if not isinstance(p, DTensor)]
+    assert all(p.dtype == p.grad.dtype == torch.float32 for p in vectors)
+    offloaded, _, _ = built("fsdp", "--cpu_offload=true")
+    assert all(isinstance(p, DTensor) for p in offloaded.parameters())
 
 
 @pytest.mark.parametrize("wrap", ["none", "ddp", "fsdp"])

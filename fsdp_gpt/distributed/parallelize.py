@@ -1,6 +1,7 @@
 """The model made ready for its ranks, in a fixed order: built on the meta device, context
 and expert parallelism swapped in, FP8 linears (fp8), activation checkpointing, compile,
-fully_shard per unit of blocks (fsdp_units.py) and then the root (or DDP, or nothing at one process), weights
+fully_shard per unit of blocks (fsdp_units.py) and then the root, the vectors left whole (replicated.py)
+(or DDP, or nothing at one process), weights
 initialised on rank 0 and broadcast into the shards. model.py knows nothing of this: every part here is applied from outside.
 """
 import torch
@@ -17,6 +18,7 @@ from fsdp_gpt.distributed.float8 import convert
 from fsdp_gpt.distributed.fsdp_units import choose_layout
 from fsdp_gpt.distributed.launch import STRATEGY_TABLE, Topology, agree
 from fsdp_gpt.distributed.precision import DTYPES, autocast, compute_dtype
+from fsdp_gpt.distributed.replicated import replicated_params, replicates
 from fsdp_gpt.hf_format import read_hf_folder
 from fsdp_gpt.model import GPT, GPTConfig
 from fsdp_gpt.moe import MoE
@@ -59,7 +61,7 @@ def build_model(cfg, gpt_cfg: GPTConfig, topo: Topology) -> torch.nn.Module:
         # cast parameters), and the fp32 RoPE tables the root hands each block must stay fp32
         shard_args = dict(mesh=topo.mesh, mp_policy=MixedPrecisionPolicy(
             param_dtype=None if dtype == torch.float32 else dtype, reduce_dtype=DTYPES[cfg.reduce_dtype],
-            cast_forward_inputs=False))
+            cast_forward_inputs=False), ignored_params=replicated_params(cfg, model))
         if cfg.cpu_offload:
             shard_args["offload_policy"] = CPUOffloadPolicy(pin_memory=topo.device.type == "cuda")
             param_device = torch.device("cpu")
@@ -141,4 +143,5 @@ def micro_steps(cfg, model: torch.nn.Module):
 def forward_context(cfg, topo: Topology):
     """The context of every forward: training, val loss and text samples compute in one dtype."""
     dtype = compute_dtype(cfg.dtype, topo.device)
-    return lambda: autocast(dtype, topo.device, fsdp=topo.wrap == "fsdp")
+    fsdp_casts_all = topo.wrap == "fsdp" and not replicates(cfg)
+    return lambda: autocast(dtype, topo.device, fsdp_casts_all)

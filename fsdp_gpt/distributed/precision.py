@@ -52,7 +52,8 @@ def check_offload(dtype: torch.dtype, cpu_offload: bool) -> None:
                         "fp32, or cpu_offload: false")
 
 
-def autocast(dtype: torch.dtype, device: torch.device, fsdp: bool):
-    """The context every forward runs in. Under FSDP the MixedPrecisionPolicy casts parameters to
-    `dtype` for the compute, so autocast stays off; unwrapped and under DDP autocast does it."""
-    return torch.autocast(device.type, dtype=dtype, enabled=not fsdp and dtype != torch.float32)
+def autocast(dtype: torch.dtype, device: torch.device, fsdp_casts_all: bool = False):
+    """The context every forward runs in: autocast to `dtype`, unwrapped, under DDP, and under FSDP
+    for the vectors FSDP2 leaves whole (replicated.py: FSDP2's MixedPrecisionPolicy casts the
+    matrices it gathers, autocast the rest). Off where FSDP2 casts every parameter (cpu_offload)."""
+    return torch.autocast(device.type, dtype=dtype, enabled=not fsdp_casts_all and dtype != torch.float32)
