@@ -27,6 +27,8 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from fsdp_gpt.distributed.precision import DTYPES  # noqa: E402
+from fsdp_gpt.distributed.replicated import replicated_params  # noqa: E402
 from fsdp_gpt.distributed.shards import dim0_shard  # noqa: E402
 from fsdp_gpt.checkpoint.ckpt_index import build_index, files_to_open, model_key, state_key, wanted_rows  # noqa: E402
 from fsdp_gpt.config import UserError, exit_code  # noqa: E402
@@ -80,14 +82,24 @@ class Plan:
         self.micro_steps = cfg.train_batch // (cfg.micro_batch * gpus // cfg.cp_size)
         self.ep = cfg.ep_size
         self.expert_numel = sum(shape.numel() for name, shape in self.params if is_expert(name))
+        # the vectors FSDP2 leaves whole on every rank (distributed/replicated.py)
+        names = {p: name for name, p in self.model.named_parameters()}
+        self.whole = {names[p] for p in replicated_params(cfg, DTYPES.get(cfg.dtype, torch.bfloat16), self.model)}
+        self.whole_numel = sum(shape.numel() for name, shape in self.params if name in self.whole)
 
     def slices(self, rank: int) -> dict:
         """{name: (offset, rows)} of every parameter's dim-0 slice on `rank` (shard index i = rank %
         shard). Experts under ep_size: expert group member i % ep holds experts j*E/ep.., FSDP's slice
         i // ep of them."""
         i = rank % self.shard
-        return {name: self.expert_slice(shape, i) if is_expert(name) else dim0_shard(shape[0], self.shard, i)
-                for name, shape in self.params}
+        return {name: (0, shape[0]) if name in self.whole else self.expert_slice(shape, i) if is_expert(name)
+                else dim0_shard(shape[0], self.shard, i) for name, shape in self.params}
+
+    def read_slices(self, rank: int) -> dict:
+        """The slices `rank` writes and reads back: a whole tensor rank 0's alone, a shard the first replica's."""
+        first = rank < self.shard
+        return {name: (offset, rows if (rank == 0 if name in self.whole else first) else 0)
+                for name, (offset, rows) in self.slices(rank).items()}
 
     def expert_slice(self, shape: torch.Size, i: int) -> tuple[int, int]:
         """(offset, rows) of shard index i of a stacked expert weight (at ep_size 1: dim0_shard's)."""
@@ -123,12 +135,15 @@ class Plan:
         # under ep_size the experts gather (and reduce) 1/ep of themselves in groups of n/ep
         e, group = self.ep, n // self.ep
         experts = self.expert_numel + sum(shape.numel() for name, shape in regathered if is_expert(name))
-        others = self.numel + sum(shape.numel() for _, shape in regathered) - experts
+        sharded = self.numel - self.whole_numel
+        others = sharded + sum(shape.numel() for name, shape in regathered if name not in self.whole) - experts
         gathers = self.micro_steps * BYTES[cfg.dtype] * (others * (n - 1) / n + experts / e * (group - 1) / group)
-        reduced = BYTES[cfg.reduce_dtype] * ((self.numel - self.expert_numel) * (n - 1) / n +
+        reduced = BYTES[cfg.reduce_dtype] * ((sharded - self.expert_numel) * (n - 1) / n +
                                              self.expert_numel / e * (group - 1) / group)
-        return {"all-gather": gathers, "reduce-scatter": reduced,
-                "all-reduce": 2 * (r - 1) / r * self.numel * BYTES[cfg.reduce_dtype] / n, "muon exchange": muon_exchange,
+        # HYBRID's all-reduce of the shards over the replicas, and the whole vectors' over every rank, in fp32
+        all_reduced = (2 * (r - 1) / r * sharded * BYTES[cfg.reduce_dtype] / n +
+                       2 * (self.gpus - 1) / self.gpus * self.whole_numel * 4)
+        return {"all-gather": gathers, "reduce-scatter": reduced, "all-reduce": all_reduced, "muon exchange": muon_exchange,
                 "ulysses": self.ulysses_bytes(), "expert all-to-all": self.expert_all_to_all_bytes()}
 
     def expert_all_to_all_bytes(self) -> float:
@@ -177,10 +192,9 @@ class Plan:
         """The sharded checkpoint's index as ckpt_index builds it: replica group 0 writes the rows."""
         layouts = []
         for rank in range(self.gpus):
-            slices, layout = self.slices(rank), {}
+            slices, layout = self.read_slices(rank), {}
             for name, shape in self.params:
                 offset, rows = slices[name]
-                rows = rows if rank < self.shard else 0
                 layout[model_key(name)] = (shape[0], offset, rows)
                 for moment in optimizer_state(self.cfg, name, shape):
                     layout[state_key(name, moment)] = (shape[0], offset, rows)
@@ -191,7 +205,7 @@ class Plan:
         """Rank files `rank` opens on resume: replicas past the first receive their slices instead."""
         if rank >= self.shard:
             return 0
-        return len(files_to_open(index, wanted_rows(index, self.slices(rank)), rank))
+        return len(files_to_open(index, wanted_rows(index, self.read_slices(rank)), rank))
 
 
 def column(plan: Plan, bandwidth: float) -> dict:

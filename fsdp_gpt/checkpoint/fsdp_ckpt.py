@@ -11,6 +11,7 @@ import threading
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
 from torch.utils._pytree import tree_map_only
@@ -323,9 +324,9 @@ class CheckpointManager:
         names = _parameter_names(model)
         # rank 0 reads the marker once for every rank, and checks from its index that the set is whole
         marker = decided_on_rank0(lambda: self._read_marker(directory, step))
-        # the first replica of each slice reads it; the other replicas receive it (below)
-        reads = is_first_replica(next(iter(names)), self.topo.rank)
-        files = agree(lambda: self._open_needed(directory, marker, names) if reads else [])
+        # who wrote a slice reads it (the first replica of a shard; rank 0 a whole tensor); the others receive it (below)
+        reads = {p: is_first_replica(p, self.topo.rank) for p in names}
+        files = agree(lambda: self._open_needed(directory, marker, names, reads) if any(reads.values()) else [])
         # which parameters have optimizer state, its keys, tensors' shapes and scalars (`step`), and the train state:
         # rank 0 reads, tells all
         skeleton = [{name: {key: value["shape"] if isinstance(value, dict) else value for key, value in saved.items()}
@@ -335,13 +336,13 @@ class CheckpointManager:
         self.train_state = skeleton[1]
         group_of = {p: group for group in optimizer.param_groups for p in group["params"]}
         for p, name in names.items():
-            if files:
+            if reads[p]:
                 fill_local(p, [f["model"][name] for f in files])
             state = {}
             for key, value in skeleton[0].get(name, {}).items():
                 if isinstance(value, list):  # a tensor's shape: its rows are p's rows
                     state[key] = zero_rows(p, value[1:])
-                    if files:
+                    if reads[p]:
                         fill_local(state[key], [f["optimizer"][name][key] for f in files])
                 else:
                     state[key] = _placed(value, key, p, group_of[p])
@@ -351,15 +352,18 @@ class CheckpointManager:
         return step
 
     def _send_to_replicas(self, names: dict, optimizer) -> None:
-        """Each replica group's first member sends the slices it read to the others, in one
-        order on every rank: parameters in model order, each followed by its optimizer tensors."""
-        if self.topo.wrap == "ddp":
-            group = dist.group.WORLD
-        elif self.topo.wrap == "fsdp" and "replicate" in (self.topo.mesh.mesh_dim_names or ()):
-            group = self.topo.mesh.get_group("replicate")
-        else:
-            return  # nothing replicated: every rank read its own slices
+        """The rank that read a slice sends it to the ranks that hold it too, in one order on every rank:
+        parameters in model order, each followed by its optimizer tensors. A whole tensor (DDP's, and
+        the vectors FSDP2 leaves whole) goes from rank 0 to every rank; a shard from its first replica
+        to HYBRID_SHARD's other replicas."""
+        if self.topo.world_size == 1:
+            return
+        fsdp_replicas = (self.topo.mesh.get_group("replicate") if self.topo.wrap == "fsdp"
+                         and "replicate" in (self.topo.mesh.mesh_dim_names or ()) else None)
         for p in names:
+            group = fsdp_replicas if isinstance(p, DTensor) else dist.group.WORLD
+            if group is None:
+                continue  # every rank read its own slices
             for t in [p] + [v for v in optimizer.state.get(p, {}).values() if v.dim()]:
                 dist.broadcast(local_slice(t)[0], group=group, group_src=0)
 
@@ -370,8 +374,8 @@ class CheckpointManager:
             check_whole(marker["index"], marker_path(directory, step))
         return marker
 
-    def _open_needed(self, directory: str, marker: dict, names: dict) -> list[dict]:
-        """The rank files holding this rank's slices (all of them for a set without an index)."""
+    def _open_needed(self, directory: str, marker: dict, names: dict, reads: dict) -> list[dict]:
+        """The rank files holding the slices this rank reads (all of them for a set without an index)."""
         step, index = marker["step"], marker.get("index")
         if index is None:
             files = read_sharded(directory, step)
@@ -379,7 +383,7 @@ class CheckpointManager:
             slices = {}
             for p, name in names.items():
                 local, offset = local_slice(p)
-                slices[name] = (offset, local.shape[0])
+                slices[name] = (offset, local.shape[0] if reads[p] else 0)
             # a rank holding no rows at all (more ranks than rows) still reads one file's header, as does
             # one whose model the checkpoint does not hold: the header's config says how they differ (below)
             other = any(index.get(model_key(name), (None,))[0] != p.shape[0] for p, name in names.items())

@@ -61,7 +61,7 @@ def build_model(cfg, gpt_cfg: GPTConfig, topo: Topology) -> torch.nn.Module:
         # cast parameters), and the fp32 RoPE tables the root hands each block must stay fp32
         shard_args = dict(mesh=topo.mesh, mp_policy=MixedPrecisionPolicy(
             param_dtype=None if dtype == torch.float32 else dtype, reduce_dtype=DTYPES[cfg.reduce_dtype],
-            cast_forward_inputs=False), ignored_params=replicated_params(cfg, model))
+            cast_forward_inputs=False), ignored_params=replicated_params(cfg, dtype, model))
         if cfg.cpu_offload:
             shard_args["offload_policy"] = CPUOffloadPolicy(pin_memory=topo.device.type == "cuda")
             param_device = torch.device("cpu")
@@ -143,5 +143,5 @@ def micro_steps(cfg, model: torch.nn.Module):
 def forward_context(cfg, topo: Topology):
     """The context of every forward: training, val loss and text samples compute in one dtype."""
     dtype = compute_dtype(cfg.dtype, topo.device)
-    fsdp_casts_all = topo.wrap == "fsdp" and not replicates(cfg)
+    fsdp_casts_all = topo.wrap == "fsdp" and not replicates(cfg, dtype)
     return lambda: autocast(dtype, topo.device, fsdp_casts_all)

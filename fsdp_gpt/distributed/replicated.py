@@ -10,7 +10,8 @@ step (`gradient_reduction`), and autocast casts them for the compute beside FSDP
 MixedPrecisionPolicy, which casts the matrices it gathers (precision.autocast): so a sharded
 model computes as the unwrapped one does, each weight rounded once to the compute dtype.
 
-Not under cpu_offload, which is chosen for memory: every parameter then stays on the host, sharded.
+Not under cpu_offload, which is chosen for memory: every parameter then stays on the host, sharded;
+nor under fp16 (see replicates). There autocast stays off.
 Checkpoints don't depend on it: a plain tensor is written whole by rank 0 (ckpt_format.piece_of) and
 read into a shard or a whole tensor alike.
 """
@@ -23,15 +24,17 @@ from torch.distributed.tensor import DTensor
 from fsdp_gpt.distributed.launch import Topology
 
 
-def replicates(cfg) -> bool:
-    """Whether FSDP2 leaves the vectors whole (and autocast casts them): everywhere but cpu_offload."""
-    return not cfg.cpu_offload
+def replicates(cfg, dtype: torch.dtype) -> bool:
+    """Whether FSDP2 leaves the vectors whole (and autocast casts them): everywhere but cpu_offload
+    and fp16, whose GradScaler unscales the gradients in one call that takes DTensors or plain
+    tensors, not both."""
+    return not cfg.cpu_offload and dtype != torch.float16
 
 
-def replicated_params(cfg, model: torch.nn.Module) -> set[torch.nn.Parameter]:
+def replicated_params(cfg, dtype: torch.dtype, model: torch.nn.Module) -> set[torch.nn.Parameter]:
     """The vectors FSDP2 leaves whole. Not the experts' selection bias, which has no gradient: the loop
     moves it on its shards (optim/expert_balance.py)."""
-    if not replicates(cfg):
+    if not replicates(cfg, dtype):
         return set()
     return {p for p in model.parameters() if p.dim() < 2 and p.requires_grad}
 
