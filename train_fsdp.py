@@ -84,8 +84,9 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> float:
 def forward_backward(model, loader: BatchLoader, step: int, accum_steps: int, times: StepTimes, compute,
                      scaler, set_micro_step) -> torch.Tensor:
     """The step's micro-batches forward and backward, gradients reduced on the last one only
-    (set_micro_step: parallelize.micro_steps); the global batch's mean loss (every rank's share
-    all-reduced: every rank judges it alike)."""
+    (set_micro_step: parallelize.micro_steps; the vectors FSDP2 leaves whole after it, by the loop's
+    reduce_whole_grads); the global batch's mean loss (every rank's share all-reduced: every rank
+    judges it alike)."""
     loss_sum = torch.zeros((), device=loader.device)
     for micro_step, (x, y, opens) in enumerate(times.batches(loader.micro_batches(step))):
         set_micro_step(model, micro_step == accum_steps - 1)

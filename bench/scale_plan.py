@@ -114,9 +114,16 @@ class Plan:
         states = sum(slices[name][1] * sum(optimizer_state(self.cfg, name, shape).values()) for name, shape in self.params)
         return {"parameters": 4 * sum(local.values()), "gradients": 4 * sum(local.values()), "optimizer": 4 * states}
 
-    def checkpoint_bytes(self) -> int:
+    def checkpoint_bytes(self, names=None) -> int:
+        """The fp32 weights and optimizer state of the named parameters (every one: None), each row once."""
         return 4 * sum(shape.numel() + shape[0] * sum(optimizer_state(self.cfg, name, shape).values())
-                       for name, shape in self.params)
+                       for name, shape in self.params if names is None or name in names)
+
+    def broadcast_bytes(self) -> float:
+        """What rank 0 sends on resume: its shards to its replicas (HYBRID_SHARD), and the whole vectors
+        (and their optimizer state) to every rank."""
+        whole = self.checkpoint_bytes(self.whole)
+        return ((self.checkpoint_bytes() - whole) / self.shard if self.replicas > 1 else 0) + (whole if self.gpus > 1 else 0)
 
     def sent_bytes(self) -> dict:
         """Bytes one rank sends per optimizer step: all-gathers in the compute dtype each micro-step
@@ -234,7 +241,7 @@ def column(plan: Plan, bandwidth: float) -> dict:
         "sharded checkpoint GB (each row once)": f"{size / GB:.2f}",
         f"write s at {bandwidth:g} GB/s": f"{size / GB / bandwidth:.1f}",
         f"resume: read s at {bandwidth:g} GB/s (each row once)": f"{size / GB / bandwidth:.1f}",
-        "resume: GB a first replica broadcasts": f"{size / plan.shard / GB if plan.replicas > 1 else 0:.3f}",
+        "resume: GB rank 0 broadcasts": f"{plan.broadcast_bytes() / GB:.3f}",
         "rank files a rank opens on resume": str(max(plan.files_opened(index, r) for r in readers)),
         "index in the .complete marker, MB": f"{marker_bytes(index) / 1e6:.2f}",
     }

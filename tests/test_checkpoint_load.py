@@ -41,8 +41,9 @@ def test_full_checkpoint_loads_into_plain_gpt_and_gives_logged_val_loss(two_rank
 def test_evaluate_gives_a_bf16_runs_logged_val_loss(corpus, tmp_path):
     """evaluate.py computes in the run's dtype. Unwrapped (and under DDP) the trainer's forwards run
     under the same autocast: the same figure to print precision, and not the fp32 one. Under FSDP
-    the MixedPrecisionPolicy casts the parameters themselves, so norms and residual adds round to
-    bf16 too where autocast keeps them fp32: within half of bf16's relative spacing (2^-9)."""
+    autocast runs too (for the vectors FSDP2 leaves whole), and the matrices and embeddings come
+    gathered in bf16: the embeddings are added after rounding, where autocast adds fp32 ones and
+    rounds the sum. Within 1e-4 (6e-6 measured; 3e-4 when FSDP2 cast the norms' weights too)."""
     for nproc in (1, 2):
         run_dir = tmp_path / f"ranks{nproc}"
         run_dir.mkdir()
@@ -53,4 +54,4 @@ def test_evaluate_gives_a_bf16_runs_logged_val_loss(corpus, tmp_path):
             assert evaluated(checkpoint) == pytest.approx(logged, rel=1e-6)
             assert evaluated(checkpoint, "--dtype", "fp32") != pytest.approx(logged, rel=1e-6)
         else:
-            assert evaluated(checkpoint) == pytest.approx(logged, rel=2 ** -9)
+            assert evaluated(checkpoint) == pytest.approx(logged, rel=1e-4)

@@ -3,12 +3,12 @@ biases, value_mix).
 
 FSDP2's host work at each hook runs for each parameter of a unit (copied into the gather buffer and
 out of it, swapped out of its module and back, its gradient copied into the reduce-scatter and made
-a DTensor), whatever its size. GPT-2 has 148 parameter tensors, 96 of them vectors: 0.06% of its
-weights, two thirds of that work. Left out of FSDP2 (`fully_shard(ignored_params=...)`), every rank
+a DTensor), whatever its size. GPT-2 124M has 148 parameter tensors, 98 of them vectors: 0.1% of
+its weights, two thirds of that work. Left out of FSDP2 (`fully_shard(ignored_params=...)`), every rank
 holds them whole, in fp32; their gradients are averaged over the ranks in one flat all-reduce a
 step (`gradient_reduction`), and autocast casts them for the compute beside FSDP2's
-MixedPrecisionPolicy, which casts the matrices it gathers (precision.autocast): so a sharded
-model computes as the unwrapped one does, each weight rounded once to the compute dtype.
+MixedPrecisionPolicy, which casts the matrices it gathers (precision.autocast): each weight is
+rounded once to the compute dtype, as in an unwrapped run.
 
 Not under cpu_offload, which is chosen for memory: every parameter then stays on the host, sharded;
 nor under fp16 (see replicates). There autocast stays off.
