@@ -55,5 +55,5 @@ def check_offload(dtype: torch.dtype, cpu_offload: bool) -> None:
 def autocast(dtype: torch.dtype, device: torch.device, fsdp_casts_all: bool = False):
     """The context every forward runs in: autocast to `dtype`, unwrapped, under DDP, and under FSDP
     for the vectors FSDP2 leaves whole (replicated.py: FSDP2's MixedPrecisionPolicy casts the
-    matrices it gathers, autocast the rest). Off where FSDP2 casts every parameter (cpu_offload)."""
+    matrices it gathers, autocast the rest). Off where FSDP2 casts every parameter (cpu_offload, fp16)."""
     return torch.autocast(device.type, dtype=dtype, enabled=not fsdp_casts_all and dtype != torch.float32)
