@@ -1,7 +1,8 @@
 """FSDP2's fixed cost in one process, by alternating steps: fixed_cost's model (bench/speed.py: 12
 blocks of 32 wide, a 32-token row a micro-step, 2 micro-steps a step, fp32, one thread) unwrapped,
-wrapped as `force_fsdp` wraps it (the vectors left whole: distributed/replicated.py), and wrapped
-with every parameter sharded (as before 2026-11-29), a step of each in turn:
+wrapped as `force_fsdp` wraps it under FULL_SHARD and under SHARD_GRAD_OP (the vectors left whole:
+distributed/replicated.py), and under FULL_SHARD with every parameter sharded (as before
+2026-11-29), a step of each in turn:
 
     python bench/fsdp_steps.py [--steps 400]
 
@@ -32,17 +33,21 @@ from fsdp_gpt.optim.clip import clip_gradients  # noqa: E402
 
 MODEL = ["--n_layer=12", "--n_head=2", "--n_embd=32", "--block_size=32", "--micro_batch=1", "--train_batch=2",
          "--dtype=fp32", "--compile=false", "--vocab_size=256"]
-LAYOUTS = ("unwrapped", "FSDP2, vectors whole", "FSDP2, every parameter sharded")
+# each layout's sharding_strategy (None: unwrapped)
+LAYOUTS = {"unwrapped": None, "FULL_SHARD, vectors whole": "FULL_SHARD",
+           "SHARD_GRAD_OP, vectors whole": "SHARD_GRAD_OP", "FULL_SHARD, every parameter sharded": "FULL_SHARD"}
 
 
 def build(layout: str):
     """(model, optimizer, set_micro_step, forward context) of one layout."""
-    wrap = "none" if layout == LAYOUTS[0] else "fsdp"
-    cfg = parse_args([os.path.join(ROOT, "config", "demo_cpu.yaml"), *MODEL, f"--force_fsdp={wrap == 'fsdp'}"])
+    strategy = LAYOUTS[layout]
+    wrap = "fsdp" if strategy else "none"
+    cfg = parse_args([os.path.join(ROOT, "config", "demo_cpu.yaml"), *MODEL, f"--force_fsdp={wrap == 'fsdp'}",
+                      f"--sharding_strategy={strategy or 'FULL_SHARD'}"])
     mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("shard",)) if wrap == "fsdp" else None
     topo = Topology(0, 1, 0, 1, torch.device("cpu"), wrap, mesh)
     whole = parallelize.replicated_params
-    if layout == LAYOUTS[2]:  # fp32: no autocast either way, only what FSDP2 shards differs
+    if layout.endswith("every parameter sharded"):  # fp32: no autocast either way, only what FSDP2 shards differs
         parallelize.replicated_params = lambda *args: set()
     model = parallelize.build_model(cfg, GPTConfig(**cfg.model_shape), topo)
     parallelize.replicated_params = whole
@@ -80,7 +85,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, one process, {args.steps - 20} steps each\n"
           "| layout | forward + backward, ms | clipping + optimizer, ms | speed / unwrapped |\n| --- | --- | --- | --- |")
     for layout in LAYOUTS:
-        ratio = statistics.median(sum(a) / sum(b) for a, b in zip(times[LAYOUTS[0]], times[layout]))
+        ratio = statistics.median(sum(a) / sum(b) for a, b in zip(times["unwrapped"], times[layout]))
         print(f"| {layout} | {1e3 * statistics.median(t[0] for t in times[layout]):.1f} | "
               f"{1e3 * statistics.median(t[1] for t in times[layout]):.1f} | {ratio:.3f}x |")
     dist.destroy_process_group()
