@@ -129,8 +129,9 @@ def launch_two_nodes(tmp_path, settings: dict) -> list[tuple[int, str, str]]:
 
 # HYBRID_SHARD writes sharded checkpoints (each node its ranks' files, on its "local disk"), keeping the
 # newest (keep_last: 1, which each node's ranks apply to their own files): the node-local test below
-# resumes from them; the others write rank 0's full file
-TWO_NODES = {"HYBRID_SHARD": "sharded", "HYBRID_SHARD_ZERO2": "full", "FULL_SHARD": "full"}
+# resumes from them; HYBRID_SHARD_ZERO2 writes rank 0's full file. FULL_SHARD over two nodes is
+# train_slurm.sh's run (test_slurm_script_gives_each_node_its_rank): two torchrun launches as here.
+TWO_NODES = {"HYBRID_SHARD": "sharded", "HYBRID_SHARD_ZERO2": "full"}
 
 
 @pytest.fixture(scope="module")
@@ -154,8 +155,7 @@ def test_two_nodes_match_one_process(strategy, single_process, two_nodes):
     folder, outputs = two_nodes(strategy)
     for code, _, stderr in outputs:
         assert code == 0, stderr[-3000:]
-    if strategy.startswith("HYBRID"):  # sharded inside a node, replicated across the two
-        assert "mesh (replicate=2, shard=2)" in outputs[0][1]
+    assert "mesh (replicate=2, shard=2)" in outputs[0][1]  # sharded inside a node, replicated across the two
     assert_parity(single_process, str(folder / "node0"))
     # global rank 0 alone prints and logs; it alone writes a full checkpoint, each rank its own shards
     assert "step " not in outputs[1][1]
