@@ -13,10 +13,13 @@ import sysconfig
 import tempfile
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import zygote
+from fsdp_gpt.config_parse import parse_args
 from fsdp_gpt.data.prepare import prepare_data
+from fsdp_gpt.model import GPT, GPTConfig
 from fsdp_gpt.observe.figures_file import read_figures as figures, read_records as records  # noqa: F401 - likewise
 from fsdp_gpt.observe.metrics import read_scalars as scalars, read_texts as texts  # noqa: F401 - the tests' names for them
 
@@ -41,6 +44,14 @@ def trainer_cmd(nproc: int) -> list[str]:
         return [sys.executable, os.path.join(ROOT, "train_fsdp.py")]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
             os.path.join(ROOT, "train_fsdp.py")]
+
+
+def counted_parameters(config: str, *args: str) -> int:
+    """The parameters the trainer counts for a config and its overrides: GPT.num_params on the meta
+    device, as build_model counts them before it prints them (the demo's test reads that line)."""
+    cfg = parse_args([config, *args])
+    with torch.device("meta"):
+        return GPT(GPTConfig.of(cfg)).num_params()
 
 
 def overrides(**kwargs) -> list[str]:
@@ -84,6 +95,13 @@ def zygote_socket(read_once: tuple = ()) -> str:
         atexit.register(process.kill)
         _zygote[read_once] = (process, path)
     return _zygote[read_once][1]
+
+
+def zygote_python() -> dict:
+    """The environment under which `$PYTHON SCRIPT ARGS` runs the script forked from this test process's
+    zygote (tests/zygote_python), for programs that start python themselves."""
+    return dict(PYTHON=os.path.join(ROOT, "tests", "zygote_python"), ZYGOTE_INTERPRETER=sys.executable,
+                ZYGOTE_SOCKET=zygote_socket())
 
 
 def run_in_zygote(argv: list[str], cwd: str, env: dict, nproc: int, timeout: float) -> subprocess.CompletedProcess:
