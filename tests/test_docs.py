@@ -17,12 +17,11 @@ import os
 import re
 import shlex
 import subprocess
-import sys
 
 import pytest
 import yaml
 
-from conftest import ROOT, TINY, ZYGOTE, overrides, zygote_socket
+from conftest import ROOT, TINY, ZYGOTE, overrides, zygote_python
 from fsdp_gpt import compat
 from fsdp_gpt.data.prepare import prepare_data
 
@@ -42,9 +41,8 @@ tiny() {  # $1: the script, then its arguments: the overrides appended to the co
             for o in $TINY_TRAIN; do [[ " $* " == *" ${o%%=*}="* ]] || echo -n "$o "; done ;;
     esac
 }
-python() {
-    if [[ $1 == -* ]]; then "$PYTHON" "$@"; return; fi  # python -c/-m: the real interpreter
-    "$PYTHON" "$ZYGOTE" --run "$ZYGOTE_SOCKET" 1 "$@" $(tiny "$@")
+python() {  # python -c/-m: the real interpreter (tests/zygote_python)
+    "$PYTHON" "$@" $(tiny "$@")
 }
 torchrun() {  # its own options (--standalone, --nproc_per_node, ...), then the script and its arguments
     local nproc=1
@@ -52,7 +50,7 @@ torchrun() {  # its own options (--standalone, --nproc_per_node, ...), then the 
         [[ $1 == --nproc_per_node=* ]] && nproc=$(( ${1#*=} < 2 ? ${1#*=} : 2 ))
         shift
     done
-    "$PYTHON" "$ZYGOTE" --run "$ZYGOTE_SOCKET" "$nproc" "$@" $(tiny "$@")
+    "$ZYGOTE_INTERPRETER" "$ZYGOTE" --run "$ZYGOTE_SOCKET" "$nproc" "$@" $(tiny "$@")
 }
 """
 
@@ -95,8 +93,8 @@ def test_sh_block_runs(doc, number, commands, corpus, tmp_path):
                     'as tests/test_fp8.py checks')
     tiny = {k: v for k, v in TINY.items() if k != "tokenizer"} | dict(
         n_layer=2, max_iters=4, save_interval=2, eval_interval=2, compile=False, world_size=None, lr_decay_iters=4)
-    env = dict(os.environ, PYTHON=sys.executable, TINY_TRAIN=" ".join(overrides(**tiny)), OMP_NUM_THREADS="1",
-               ZYGOTE=ZYGOTE, ZYGOTE_SOCKET=zygote_socket())
+    env = dict(os.environ, TINY_TRAIN=" ".join(overrides(**tiny)), OMP_NUM_THREADS="1", ZYGOTE=ZYGOTE,
+               **zygote_python())
     result = subprocess.run(["bash", "-c", PRELUDE + commands], cwd=sandbox(tmp_path, corpus), env=env,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, f"{doc}, sh block {number}:\n{commands}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"

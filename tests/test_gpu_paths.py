@@ -4,7 +4,6 @@ dtype under FSDP, grouped-query attention without the math kernel, MFU's GPU tab
 without torchrun."""
 import os
 import subprocess
-import sys
 import types
 
 import pytest
@@ -22,7 +21,7 @@ from fsdp_gpt.optim import muon
 from fsdp_gpt.distributed import precision
 import train_fsdp
 from fsdp_gpt.config_parse import parse_args
-from conftest import DEMO, ROOT, trainer_cmd
+from conftest import DEMO, ROOT, trainer_cmd, zygote_python
 from fsdp_gpt.data.prepare import prepare_data
 from fsdp_gpt.evaluation.val_loss import val_loss_sums
 from fsdp_gpt.checkpoint.fsdp_ckpt import _placed, sharded_state
@@ -304,7 +303,7 @@ def test_gpu_check_runs_as_is_and_writes_one_table(corpus, tmp_path):
                                            log_interval=1, eval_interval=4, eval_iters=1, save_interval=2,
                                            compile="false", **corpus).items()]
     result = subprocess.run(["bash", os.path.join(ROOT, "bench", "gpu_check.sh"), *tiny], capture_output=True,
-                            text=True, timeout=600, env=dict(os.environ, GPU_CHECK_DIR=str(tmp_path), PYTHON=sys.executable))
+                            text=True, timeout=600, env=dict(os.environ, GPU_CHECK_DIR=str(tmp_path), **zygote_python()))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     table = (tmp_path / "table.md").read_text().splitlines()
     assert table[:2] == ["| run | what it runs | tok/s | MFU | peak memory, GB | result |",
