@@ -14,7 +14,8 @@ Time: a lent machine allows 10 minutes a command. The rows share GPU_CHECK_BUDGE
 run. GPU_CHECK_ROWS=name,name runs those rows alone. One markdown table, printed and written to $GPU_CHECK_DIR/table.md: per row what ran, tok/s,
 MFU (over the steps after the first log line, which holds start-up and compilation: 50 steps, lines every 25), the largest
 rank's peak memory, and pass or fail with the reason. Extra --key=value arguments go to every
-trainer run, last (tests/test_gpu_paths.py runs this at tiny size on CPU that way).
+trainer run, last (tests/test_gpu_paths.py runs this at tiny size on CPU that way). The rows run under
+$PYTHON where it is set (gpu_check.sh runs this file with it too), else under this interpreter.
 """
 import datetime
 import glob

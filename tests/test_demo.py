@@ -21,7 +21,8 @@ def test_demo_trains_and_val_loss_falls(tmp_path):
                             capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "preparing data/stdlib_bytes" in result.stdout  # prepared here, not found ready
-    count = counted_parameters(DEMO)  # tests/test_param_counts.py counts the larger configs the same way
+    # the byte data's vocabulary, which the trainer takes from it; test_param_counts.py counts the larger configs so
+    count = counted_parameters(DEMO, "--vocab_size=256")
     assert f"\nparameters: {count:,} ({count / 1e6:.1f}M)\n" in result.stdout
     tb = str(tmp_path / "tensorboard" / "demo_cpu")
     val = scalars(tb, "val/loss")
