@@ -15,7 +15,7 @@ run. GPU_CHECK_ROWS=name,name runs those rows alone. One markdown table, printed
 MFU (over the steps after the first log line, which holds start-up and compilation: 50 steps, lines every 25), the largest
 rank's peak memory, and pass or fail with the reason. Extra --key=value arguments go to every
 trainer run, last (tests/test_gpu_paths.py runs this at tiny size on CPU that way). The rows run under
-$PYTHON where it is set (gpu_check.sh runs this file with it too), else under this interpreter.
+$PYTHON where it is set, else under this interpreter (python()).
 """
 import datetime
 import glob
@@ -226,6 +226,12 @@ def run_logged(cmd: list[str], log_path: str, timeout: float) -> int | None:
             return None
 
 
+def python() -> str:
+    """The interpreter rows run under (here and in mfu.py): $PYTHON where it is set (gpu_check.sh runs
+    this file with it too; the tests give their zygote's, tests/zygote_python), else this one."""
+    return os.environ.get("PYTHON", sys.executable)
+
+
 def run_row(check: Check, row: Row, gpus: int) -> dict:
     result = {"row": row, "log": check.run_dir(row.name) + ".log"}
     if gpus < row.gpus:
@@ -236,9 +242,8 @@ def run_row(check: Check, row: Row, gpus: int) -> dict:
     folder = check.run_dir(row.name)
     shutil.rmtree(folder, ignore_errors=True)  # a rerun starts clean (a resume refuses newer checkpoints)
     args = row.args(check) if callable(row.args) else row.args
-    python = os.environ.get("PYTHON", sys.executable)  # gpu_check.sh's, where it was given
-    launcher = [python] if row.nproc == 1 else [
-        python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={row.nproc}"]
+    launcher = [python()] if row.nproc == 1 else [
+        python(), "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={row.nproc}"]
     cmd = launcher + ["train_fsdp.py", *args, f"--checkpoint_dir={folder}/ckpt", f"--tensorboard_dir={folder}/tb",
                       *check.extra]
     print(f"== {row.name} ({timeout:.0f} s at most)", flush=True)

@@ -18,7 +18,8 @@ GPT.flops_per_token() / the GPU's dense bf16 peak (fsdp_gpt/distributed/peak_flo
 shows it. A row with `trace` (or named in --trace) also records two steps after the timed ones with
 torch.profiler and splits their GPU time (matmuls, attention, loss, optimizer, FSDP copies and
 collectives, other, idle); the trace is kept gzipped as {out}/{row}.trace.json.gz. The rows share --budget seconds; a row that no longer fits is shown as not run. Extra
---key=value arguments go to every run, last (tests/test_mfu.py runs two rows at tiny size on CPU).
+--key=value arguments go to every run, last (tests/test_mfu.py runs two rows at tiny size on CPU). Each
+row is a process of its own, under $PYTHON where it is set, else this interpreter (gpu_check.python).
 The fp8 rows need torchao: installed, or unpacked into .torchao/ at the checkout's root for a machine
 without pip (docs/fp8.md#on-a-machine-without-pip), which the rows then import first.
 """
@@ -37,7 +38,7 @@ from dataclasses import dataclass
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
-from gpu_check import failure, machine, run_logged  # noqa: E402
+from gpu_check import failure, machine, python, run_logged  # noqa: E402
 
 # torchao unpacked into the checkout for a GPU machine without pip (docs/fp8.md#on-a-machine-without-pip)
 TORCHAO = os.path.join(ROOT, ".torchao")
@@ -319,7 +320,7 @@ def run_row(row: Row, folder: str, extra: list[str], left: float, trace: bool) -
         own += [f"--max_iters={TRACED[1]}", f"--profile_steps={TRACED}".replace(" ", "")]
     mode = ["_plain"] if row.plain else ["_train", row.variant or "-"]
     print(f"== {row.name} ({left:.0f} s at most)", flush=True)
-    code = run_logged([sys.executable, __file__, *mode, *row.args, *BYTES, *own, *extra], log, left)
+    code = run_logged([python(), __file__, *mode, *row.args, *BYTES, *own, *extra], log, left)
     with open(log) as f:
         text = f.read()
     measured = steady(text, None if row.plain else f"{folder}/{row.name}/tb")

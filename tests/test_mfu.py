@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, overrides
+from conftest import ROOT, overrides, zygote_python
 from fsdp_gpt import compat
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
@@ -20,12 +20,18 @@ TINY_ROW = dict(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=256, t
                 dtype="fp32", compile=False)
 
 
+def bench_mfu(*args: str) -> subprocess.CompletedProcess:
+    """bench/mfu.py and each of its rows forked from the tests' zygote (tests/zygote_python), not
+    started afresh: torch imported once, not once a row."""
+    env = dict(os.environ, **zygote_python())
+    return subprocess.run([env["PYTHON"], os.path.join(ROOT, "bench", "mfu.py"), *args], capture_output=True,
+                          text=True, timeout=600, cwd=ROOT, env=env)
+
+
 @pytest.mark.slow
 def test_rows_run_and_are_tabled_against_the_plain_loop(corpus, tmp_path):
-    tiny = overrides(**TINY_ROW, **corpus)
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "mfu.py"), "--rows",
-                             "gpt2_ref,gpt2,gpt2_logits_loss", "--out", str(tmp_path), *tiny],
-                            capture_output=True, text=True, timeout=600, cwd=ROOT)
+    result = bench_mfu("--rows", "gpt2_ref,gpt2,gpt2_logits_loss", "--out", str(tmp_path),
+                       *overrides(**TINY_ROW, **corpus))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     results = {r["row"]: r for r in json.loads((tmp_path / "results.json").read_text())}
     assert [r["result"] for r in results.values()] == ["pass"] * 3
@@ -66,9 +72,8 @@ def test_fp8_row_runs_emulated_with_float8_all_gather(corpus, tmp_path):
         pytest.skip('torchao is not installed: pip install -e ".[fp8]"')
     if not compat.float8_training():
         pytest.skip(f"torchao 0.18's float8 training needs torch 2.11+, this is {torch.__version__}")
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "mfu.py"), "--rows", "gpt2_fsdp_fp8", "--out",
-                             str(tmp_path), *overrides(**TINY_ROW, **corpus, fp8_emulate=True, fp8_layers="all")],
-                            capture_output=True, text=True, timeout=600, cwd=ROOT)
+    result = bench_mfu("--rows", "gpt2_fsdp_fp8", "--out", str(tmp_path),
+                       *overrides(**TINY_ROW, **corpus, fp8_emulate=True, fp8_layers="all"))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "torchao 0.18" in result.stdout.splitlines()[0]  # where the rows' torchao comes from
     assert "8 of 8 block linears in FP8" in (tmp_path / "gpt2_fsdp_fp8.log").read_text()
