@@ -42,8 +42,8 @@ def build(layout: str):
     """(model, optimizer, set_micro_step, forward context) of one layout."""
     strategy = LAYOUTS[layout]
     wrap = "fsdp" if strategy else "none"
-    cfg = parse_args([os.path.join(ROOT, "config", "demo_cpu.yaml"), *MODEL, f"--force_fsdp={wrap == 'fsdp'}",
-                      f"--sharding_strategy={strategy or 'FULL_SHARD'}"])
+    cfg = parse_args([os.path.join(ROOT, "config", "demo_cpu.yaml"), *MODEL, f"--force_fsdp={strategy is not None}",
+                      *([f"--sharding_strategy={strategy}"] if strategy else [])])
     mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("shard",)) if wrap == "fsdp" else None
     topo = Topology(0, 1, 0, 1, torch.device("cpu"), wrap, mesh)
     whole = parallelize.replicated_params

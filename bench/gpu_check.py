@@ -242,8 +242,8 @@ def run_row(check: Check, row: Row, gpus: int) -> dict:
     folder = check.run_dir(row.name)
     shutil.rmtree(folder, ignore_errors=True)  # a rerun starts clean (a resume refuses newer checkpoints)
     args = row.args(check) if callable(row.args) else row.args
-    launcher = [python()] if row.nproc == 1 else [
-        python(), "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={row.nproc}"]
+    launcher = [python()] + ([] if row.nproc == 1 else [
+        "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={row.nproc}"])
     cmd = launcher + ["train_fsdp.py", *args, f"--checkpoint_dir={folder}/ckpt", f"--tensorboard_dir={folder}/tb",
                       *check.extra]
     print(f"== {row.name} ({timeout:.0f} s at most)", flush=True)

@@ -39,7 +39,7 @@ def count_parameters(shape: dict) -> int:
                                           ("llama_124M.yaml", 124e6), ("gpt2_124M.yaml", 124e6)])
 def test_config_holds_the_parameters_its_name_says(name, target):
     # the vocabulary the configs have on GPT-2 tokens (50,257 rounded up to 50,304)
-    count = counted_parameters(os.path.join(ROOT, "config", name), *overrides(tokenizer="bytes", vocab_size=GPT2_VOCAB))
+    count = counted_parameters(os.path.join(ROOT, "config", name), *overrides(vocab_size=GPT2_VOCAB))
     with open(os.path.join(ROOT, "config", name)) as f:
         shape = yaml.safe_load(f) | dict(vocab_size=GPT2_VOCAB)
     assert count == count_parameters(shape)
