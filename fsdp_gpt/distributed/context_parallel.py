@@ -3,7 +3,7 @@ group, attention still seeing the whole row. Two ways (cp_mode), swapped into th
 (model.py knows nothing of this):
 
 ulysses: rank c of the group holds the row's consecutive slice c (tokens c*T/cp .. (c+1)*T/cp - 1).
-An all-to-all turns q, k and v from sequence-sharded (all heads, the slice's tokens) into
+One all-to-all turns q, k and v together from sequence-sharded (all heads, the slice's tokens) into
 head-sharded (heads/cp, the whole row's tokens), the ordinary attention runs on whole rows, and a
 second all-to-all turns the result back. Heads and key/value heads must divide by cp_size.
 
@@ -21,6 +21,8 @@ import contextlib
 
 import torch
 import torch.distributed as dist
+# the functional collective: traced by torch.compile (torch.distributed.nn's raises under compile, and
+# the blocks would fall back to eager)
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 from fsdp_gpt.distributed.ring_attention import RingAttention
@@ -64,14 +66,22 @@ def context_groups(world_size: int, cp_size: int):
     return mine
 
 
-def _exchange(t: torch.Tensor, group, cp: int, split_dim: int, gather_dim: int) -> torch.Tensor:
-    """t (B, heads, T, D): split along split_dim into cp pieces, piece j sent to rank j; the pieces
-    received, in rank order, concatenated along gather_dim."""
-    pieces = torch.stack(t.chunk(cp, dim=split_dim)).contiguous()  # (cp, ...): piece j for rank j
-    # the functional collective: traced by torch.compile (torch.distributed.nn's raises under compile,
-    # and the blocks would fall back to eager)
+def _to_tokens(y: torch.Tensor, group, cp: int) -> torch.Tensor:
+    """y (B, heads/cp, T, D): my heads of every rank's tokens -> (B, heads, T/cp, D): every head of my
+    tokens. Piece j (rank j's tokens) goes to rank j; the pieces received are rank j's heads."""
+    pieces = torch.stack(y.chunk(cp, dim=2)).contiguous()  # (cp, ...): piece j for rank j
     received = all_to_all_single_autograd(pieces, None, None, group)
-    return torch.cat(received.unbind(0), dim=gather_dim)
+    return torch.cat(received.unbind(0), dim=1)
+
+
+def _to_heads(tensors: tuple[torch.Tensor, ...], group, cp: int) -> list[torch.Tensor]:
+    """Each t (B, heads_t, T/cp, D) of my tokens -> (B, heads_t/cp, T, D): my heads of every rank's
+    tokens, all in one all-to-all (one collective a layer for q, k and v, not three; backward likewise)."""
+    heads = [t.shape[1] // cp for t in tensors]
+    # (cp, B, sum of heads/cp, T/cp, D): row j holds rank j's heads of every tensor
+    pieces = torch.cat([t.unflatten(1, (cp, -1)).transpose(0, 1) for t in tensors], dim=2)
+    received = all_to_all_single_autograd(pieces, None, None, group)  # row j: rank j's tokens
+    return list(torch.cat(received.unbind(0), dim=2).split(heads, dim=1))
 
 
 class UlyssesAttention:
@@ -84,9 +94,9 @@ class UlyssesAttention:
     def __call__(self, q, k, v, dropout_p: float, enable_gqa: bool, docs: Documents | None = None,
                  window: int | None = None, scale: float | None = None) -> torch.Tensor:
         # (B, heads, T/cp, D) -> (B, heads/cp, T, D): my heads, every rank's tokens
-        q, k, v = (_exchange(t, self.group, self.cp, split_dim=1, gather_dim=2) for t in (q, k, v))
+        q, k, v = _to_heads((q, k, v), self.group, self.cp)
         y = causal_attention(q, k, v, dropout_p, enable_gqa, docs, window, scale)  # docs: the whole rows'
-        return _exchange(y, self.group, self.cp, split_dim=2, gather_dim=1)  # back: all heads, my tokens
+        return _to_tokens(y, self.group, self.cp)  # back: all heads, my tokens
 
 
 class RowDocuments:
