@@ -281,6 +281,17 @@ def run_of(corpus, tmp_path_factory):
     return lambda name: launch(name, CANONICAL[name][0], **CANONICAL[name][1])
 
 
+# The run the restart tests end as (a stopped rank, a killed worker, a lost node): TINY on 2 ranks for 12
+# steps, a checkpoint every 2; what they add (timeouts, keep_last, folders) leaves the losses alone.
+RESTARTED = dict(max_iters=12, save_interval=2)
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(corpus, tmp_path_factory) -> str:
+    """The folder of the RESTARTED run without a failure, launched once."""
+    return launcher_once(tmp_path_factory, "restarted", **RESTARTED, **corpus)("uninterrupted", 2)
+
+
 @pytest.fixture(scope="session")
 def two_rank_runs(run_of):
     """{"full": ..., "sharded": ...}: the two 2-rank runs (the sharded one written async), each

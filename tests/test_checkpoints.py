@@ -16,7 +16,7 @@ from fsdp_gpt.checkpoint import ckpt_format, ckpt_inspect
 from fsdp_gpt.checkpoint.ckpt_format import save_atomically
 from fsdp_gpt.config import TrainConfig, UserError
 from fsdp_gpt.model import GPT, GPTConfig
-from conftest import (CANONICAL, DEMO, ROOT, RUN, TINY, checkpoint_of, figures, overrides, records, run_trainer,
+from conftest import (CANONICAL, DEMO, RESTARTED, ROOT, RUN, TINY, checkpoint_of, figures, overrides, records, run_trainer,
                       scalars, tool, trainer_cmd)
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
@@ -142,18 +142,17 @@ def test_the_inspector_says_what_a_checkpoint_holds(two_rank_runs, corpus, tmp_p
     assert out[3] == f"the newest complete, {cut}/fsdp_sharded_cpt3_rank0.pth (what --resume_from=latest takes):"
 
 
-def test_killed_worker_restarts_from_latest(corpus, tmp_path):
+def test_killed_worker_restarts_from_latest(uninterrupted, corpus, tmp_path):
     """SIGKILL one of two workers mid-run under --max-restarts: the run ends as the same run without
-    the kill does. 40 steps: however late the kill lands after the step-2 checkpoint, it lands mid-run."""
+    the kill does. The first attempt takes half a second more a step (tests/hang_probe.py's HANG=slow):
+    however late the kill lands after the step-2 checkpoint, it lands mid-run."""
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                "--max-restarts=2", os.path.join(ROOT, "train_fsdp.py")]
-    run = RUN | corpus | dict(max_iters=40, save_interval=2, keep_last=2, checkpoint_type="full")
-    (tmp_path / "uninterrupted").mkdir()
-    run_trainer(str(tmp_path / "uninterrupted"), nproc=2, **run)
-    settings = TINY | run | dict(resume_from="latest", checkpoint_dir=str(tmp_path / "ckpt"),
-                                 tensorboard_dir=str(tmp_path / "tb"))
+                "--max-restarts=2", os.path.join(ROOT, "tests", "hang_probe.py")]
+    settings = TINY | corpus | RESTARTED | dict(keep_last=2, resume_from="latest", checkpoint_dir=str(tmp_path / "ckpt"),
+                                                tensorboard_dir=str(tmp_path / "tb"))
     agent = subprocess.Popen(launcher + [DEMO] + overrides(**settings), cwd=tmp_path, text=True,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             env=dict(os.environ, OMP_NUM_THREADS="1", HANG="slow", HANG_RANK="0", HANG_STEP="1"))
     deadline = time.time() + 120
     while not os.path.exists(tmp_path / "ckpt" / "fsdp_cpt2.pth") and time.time() < deadline:
         time.sleep(0.2)
@@ -163,8 +162,8 @@ def test_killed_worker_restarts_from_latest(corpus, tmp_path):
     output = agent.communicate(timeout=240)[0]
     assert agent.returncode == 0, output[-3000:]
     assert "resumed from" in output
-    expected = scalars(str(tmp_path / "uninterrupted" / "tb"), "train/loss")
-    assert scalars(str(tmp_path / "tb"), "train/loss")[40] == expected[40]
+    expected = scalars(os.path.join(uninterrupted, "tb"), "train/loss")
+    assert scalars(str(tmp_path / "tb"), "train/loss")[12] == expected[12]
 
 
 def test_sigterm_saves_the_current_step_and_exits_zero(corpus, tmp_path):

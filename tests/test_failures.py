@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from fsdp_gpt.checkpoint import run_lock
-from conftest import DEMO, ROOT, RUN, TINY, figures, free_port, overrides, run_trainer, scalars
+from conftest import DEMO, RESTARTED, ROOT, TINY, figures, free_port, overrides, run_trainer, scalars
 from fsdp_gpt.config import TrainConfig, UserError
 from fsdp_gpt.resilience.watchdog import Watchdog
 
@@ -54,12 +54,10 @@ def test_a_hung_rank_is_named_and_every_rank_leaves(mode, step, named, corpus, t
 
 
 @pytest.mark.slow
-def test_a_stopped_rank_under_torchrun_restarts_from_latest_and_finishes(corpus, tmp_path):
+def test_a_stopped_rank_under_torchrun_restarts_from_latest_and_finishes(uninterrupted, corpus, tmp_path):
     """SIGSTOP on rank 1 at step 7 of the first attempt: the watchdog ends it, torchrun restarts the
     job, which resumes from the step-6 checkpoint and ends as the run without the hang does."""
-    run = RUN | corpus | dict(max_iters=12, save_interval=2, collective_timeout=3)
-    (tmp_path / "uninterrupted").mkdir()
-    run_trainer(str(tmp_path / "uninterrupted"), nproc=2, **run)
+    run = corpus | RESTARTED | dict(collective_timeout=3)
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                 "--max-restarts=1", PROBE]
     settings = TINY | run | dict(resume_from="latest", checkpoint_dir=str(tmp_path / "ckpt"),
@@ -70,7 +68,7 @@ def test_a_stopped_rank_under_torchrun_restarts_from_latest_and_finishes(corpus,
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert "error: step 7 overran collective_timeout=3 s" in result.stderr
     assert f"resumed from {tmp_path / 'ckpt' / 'fsdp_cpt6.pth'} at step 6" in result.stdout
-    expected = scalars(str(tmp_path / "uninterrupted" / "tb"), "train/loss")
+    expected = scalars(os.path.join(uninterrupted, "tb"), "train/loss")
     assert scalars(str(tmp_path / "tb"), "train/loss")[12] == expected[12]
 
 
@@ -272,13 +270,11 @@ def test_a_second_ctrl_c_stops_at_once(nproc, corpus, tmp_path):
 
 # ---- a lost node ----
 @pytest.mark.slow
-def test_a_lost_node_costs_the_steps_since_the_last_save(corpus, tmp_path):
+def test_a_lost_node_costs_the_steps_since_the_last_save(uninterrupted, corpus, tmp_path):
     """Two loopback "nodes" of one rank each (elastic: --nnodes=1:2, c10d rendezvous); the second is
     killed, agent and worker, after a checkpoint. The first restarts at world size 1, resumes from the
     newest checkpoint and finishes as the run without the loss does (within the parity tolerance)."""
-    run = RUN | corpus | dict(max_iters=12, save_interval=2, checkpoint_dir=str(tmp_path / "ckpt"))
-    (tmp_path / "uninterrupted").mkdir()
-    run_trainer(str(tmp_path / "uninterrupted"), nproc=2, **(run | dict(checkpoint_dir=str(tmp_path / "u_ckpt"))))
+    run = corpus | RESTARTED | dict(checkpoint_dir=str(tmp_path / "ckpt"))
     port = free_port()
     # dead nodes leave the rendezvous after 2 missed keep-alives of 1 s, and a round closes 2 s after its last join
     conf = "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=2"
@@ -307,7 +303,7 @@ def test_a_lost_node_costs_the_steps_since_the_last_save(corpus, tmp_path):
     assert "2 ranks, FULL_SHARD" in output and "1 ranks, FULL_SHARD" in output  # restarted alone
     resumed_at = int(output.split("resumed from ")[1].split(" at step ")[1].split()[0])
     assert resumed_at >= 2 and time.monotonic() - killed < 120
-    expected = scalars(str(tmp_path / "uninterrupted" / "tb"), "train/loss")
+    expected = scalars(os.path.join(uninterrupted, "tb"), "train/loss")
     assert scalars(str(tmp_path / "tb"), "train/loss")[12] == pytest.approx(expected[12], rel=1e-4)
 
 
