@@ -45,7 +45,7 @@ LAYOUTS = {"llama_muon": dict(arch="llama", n_head=4, n_kv_head=2, optimizer="mu
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_both_layouts_and_optimizers_match_one_process(layout, corpus, tmp_path):
-    settings = dict(RUN, **LAYOUTS[layout], **corpus)
+    settings = dict(RUN, train_batch=8, **LAYOUTS[layout], **corpus)  # whole micro-batches at 1 and 2 data-parallel ranks
     runs = {"one": (1, {}), "cp2": (2, dict(cp_size=2)), "cp2_dp2": (4, dict(cp_size=2))}
     if layout == "llama_muon":
         runs["cp2_hybrid"] = (4, dict(cp_size=2, sharding_strategy="HYBRID_SHARD", fsdp_size=2))
@@ -94,7 +94,8 @@ def test_cp_size_that_does_not_divide_the_world_is_refused(corpus, tmp_path):
 
 @pytest.mark.slow
 def test_a_llama_run_lengthens_its_context_on_resume_and_gpt2_is_told_why_not(run_of, corpus, tmp_path):
-    llama = dict(RUN, arch="llama", n_head=4, n_kv_head=2, checkpoint_type="sharded", **corpus)
+    # 4 rows a step: 2 ranks of 2 rows in the short run; the long ones split each row over every rank
+    llama = dict(RUN, train_batch=4, arch="llama", n_head=4, n_kv_head=2, checkpoint_type="sharded", **corpus)
     os.makedirs(tmp_path / "short")
     run_trainer(str(tmp_path / "short"), nproc=2, **llama | dict(max_iters=3))
     os.makedirs(tmp_path / "long")
@@ -113,7 +114,7 @@ def test_a_llama_run_lengthens_its_context_on_resume_and_gpt2_is_told_why_not(ru
     assert "context parallel 4 (ring, each row over 4 ranks)" in result.stdout
     assert sorted(scalars(str(tmp_path / "ring" / "tb"), "val/loss")) == [6]
     # the tokens seen go on from the checkpoint's count (3 steps of 32-token rows), resharded from 2 ranks to 4
-    assert figures(str(tmp_path / "ring" / "tb"), "data/tokens") == {s: 24 * (3 * 32 + (s - 3) * 64) for s in (4, 5, 6)}
+    assert figures(str(tmp_path / "ring" / "tb"), "data/tokens") == {s: 4 * (3 * 32 + (s - 3) * 64) for s in (4, 5, 6)}
 
     os.makedirs(tmp_path / "gpt2")
     # every rank exits 2, which torchrun reports as 1

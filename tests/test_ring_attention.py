@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from attention_check import largest_differences
-from conftest import DEMO, ROOT, RUN, checkpoint_of, launch, run_trainer, scalars
+from conftest import DEMO, ROOT, RUN, checkpoint_of, launch, launcher_once, run_trainer, scalars
 from test_context_parallel import assert_parity, logged
 from test_doc_mask import short_corpus  # noqa: F401 - the fixture
 from fsdp_gpt.config import CP_MODES, UserError
@@ -66,24 +66,21 @@ LAYOUTS = {"llama_docs_adamw": dict(arch="llama", n_head=2, n_kv_head=1, doc_mas
            "llama_docs_muon": dict(arch="llama", n_head=2, n_kv_head=1, doc_mask=True, optimizer="muon"),
            "gpt2_docs_adamw": dict(doc_mask=True)}
 RING = dict(cp_mode="ring")
+# every ring run has one data-parallel rank (one process; the ring over all ranks): 4 rows a step are
+# 2 micro-batches, gradients accumulated over both
+RING_RUN = RUN | dict(train_batch=4, block_size=64, micro_batch=2, checkpoint_type="sharded")
 
 
 @pytest.fixture(scope="module")
 def ring_runs(short_corpus, tmp_path_factory):  # noqa: F811 - the fixture imported above
-    """ring_runs(layout, name) -> the folder of that run, launched once: "one" (one process), "cp2"
+    """ring_runs(layout, name) -> the folder of that run, launched once a session: "one" (one process), "cp2"
     and "cp4" (the ring over 2 and 4 ranks; cp4 with activation checkpointing, cp2 of gpt2_muon compiled)."""
-    made = {}
+    launch_once = launcher_once(tmp_path_factory, "ring", **RING_RUN, **short_corpus)
 
     def run(layout: str, name: str) -> str:
-        if (layout, name) not in made:
-            folder = tmp_path_factory.mktemp(f"{layout}_{name}")
-            extra = {"one": (1, {}), "cp2": (2, dict(RING, cp_size=2, compile=layout == "gpt2_muon")),
-                     "cp4": (4, dict(RING, cp_size=4, activation_checkpointing=True))}[name]
-            result = run_trainer(str(folder), nproc=extra[0], **RUN | dict(block_size=64, micro_batch=2, checkpoint_type="sharded")
-                                 | LAYOUTS[layout] | short_corpus | extra[1])
-            (folder / "stdout.txt").write_text(result.stdout)
-            made[layout, name] = str(folder)
-        return made[layout, name]
+        nproc, extra = {"one": (1, {}), "cp2": (2, dict(RING, cp_size=2, compile=layout == "gpt2_muon")),
+                        "cp4": (4, dict(RING, cp_size=4, activation_checkpointing=True))}[name]
+        return launch_once(f"{layout}_{name}", nproc, **LAYOUTS[layout] | extra)
     return run
 
 
@@ -100,7 +97,7 @@ def test_ring_trains_the_run_of_one_process(layout, name, ring_runs):
 def test_checkpoints_do_not_depend_on_cp_mode(ring_runs, short_corpus, tmp_path):  # noqa: F811
     """The ring's checkpoint of step 3 resumed by one process, and one process's by the ring at 4
     ranks: the rest of the run as uninterrupted (within 1e-4); the ring's by the ring, bitwise."""
-    settings = RUN | dict(block_size=64, micro_batch=2, checkpoint_type="sharded") | LAYOUTS["llama_docs_adamw"] | short_corpus
+    settings = RING_RUN | LAYOUTS["llama_docs_adamw"] | short_corpus
     whole = scalars(os.path.join(ring_runs("llama_docs_adamw", "one"), "tb"), "train/loss")
     ring = scalars(os.path.join(ring_runs("llama_docs_adamw", "cp2"), "tb"), "train/loss")
     for name, source, nproc, extra, expected in (
