@@ -164,7 +164,7 @@ class Plan:
                 * (self.ep - 1) / self.ep)
 
     def ulysses_bytes(self) -> float:
-        """Per step: each layer's four all-to-alls (q, k, v in; the output back) of this rank's
+        """Per step: each layer's all-to-alls (q, k and v in, as one; the output back) of this rank's
         slice, each sending (cp-1)/cp of it; as many again in backward, and in a recomputed forward."""
         return self.per_step(self.ulysses_layer_bytes())
 

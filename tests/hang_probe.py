@@ -1,4 +1,4 @@
-"""Run by test_failures.py: the real trainer, with one rank that hangs at the start of a chosen step
+"""Run by test_failures.py and test_checkpoints.py: the real trainer, with one rank that hangs at the start of a chosen step
 of the first attempt (HANG=stop|deadlock|io, HANG_RANK, HANG_STEP): SIGSTOPped, deadlocked on a
 lock, or blocked reading a pipe nobody writes; or (HANG=slow) takes half a second more for every
 step from that one on (a slow run to interrupt)."""

@@ -145,7 +145,7 @@ def test_the_inspector_says_what_a_checkpoint_holds(two_rank_runs, corpus, tmp_p
 def test_killed_worker_restarts_from_latest(uninterrupted, corpus, tmp_path):
     """SIGKILL one of two workers mid-run under --max-restarts: the run ends as the same run without
     the kill does. The first attempt takes half a second more a step (tests/hang_probe.py's HANG=slow):
-    however late the kill lands after the step-2 checkpoint, it lands mid-run."""
+    when the step-2 checkpoint appears, 10 steps (5 s and more) are left, and the kill lands in them."""
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                 "--max-restarts=2", os.path.join(ROOT, "tests", "hang_probe.py")]
     settings = TINY | corpus | RESTARTED | dict(keep_last=2, resume_from="latest", checkpoint_dir=str(tmp_path / "ckpt"),

@@ -2,13 +2,17 @@
 both layouts and both optimizers, beside data parallelism; its checkpoints do not depend on cp_size."""
 import os
 import re
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 
 from conftest import DEMO, RUN, checkpoint_of, figures, run_trainer, scalars
 from fsdp_gpt.config import UserError
 from fsdp_gpt.families import FAMILIES
 from fsdp_gpt.config_parse import parse_args
+from fsdp_gpt.distributed import context_parallel
 
 TAGS = ("train/loss", "train/grad_norm", "val/loss")
 
@@ -33,6 +37,39 @@ def test_rows_split_over_ranks_train_as_one_process(name, run_of):
     dp = 2 if name in ("cp2_dp2", "cp2_hybrid") else 1
     assert f"context parallel 2 (ulysses, each row over 2 ranks), gradient accumulation {24 // (2 * dp)}," in out
     assert_parity(logged(run_of("one")), logged(run_dir))
+
+
+def test_ulysses_gives_each_rank_its_heads_of_the_whole_rows_and_back(monkeypatch):
+    """q, k and v in one all-to-all, at cp_size 2, 4 and 8 with grouped key/value heads, and apart where
+    their dtypes differ: rank c gets heads c of every token, and the output its tokens of every head.
+    The ranks are threads, their all-to-all a stand-in that hands row j of each rank's input to rank j."""
+    B, heads, kv_heads, T, D = 3, 16, 8, 16, 4
+    for cp in (2, 4, 8):
+        given, barrier = {}, threading.Barrier(cp)
+
+        def all_to_all(pieces, output_split_sizes, input_split_sizes, rank):  # the group: the rank itself
+            given[rank] = pieces
+            barrier.wait()
+            received = torch.stack([given[j][rank] for j in range(cp)])
+            barrier.wait()  # every rank read before any sends again
+            return received
+        monkeypatch.setattr(context_parallel, "all_to_all_single_autograd", all_to_all)
+        for v_dtype in (torch.float32, torch.float64):
+            q, k, y = torch.randn(B, heads, T, D), torch.randn(B, kv_heads, T, D), torch.randn(B, heads, T, D)
+            v = torch.randn(B, kv_heads, T, D, dtype=v_dtype)
+
+            def rank(c):
+                mine = slice(c * T // cp, (c + 1) * T // cp)
+                exchanged = context_parallel._to_heads((q[:, :, mine], k[:, :, mine], v[:, :, mine]), c, cp)
+                back = context_parallel._to_tokens(y[:, c * heads // cp:(c + 1) * heads // cp], c, cp)
+                return exchanged, back, mine
+            with ThreadPoolExecutor(cp) as pool:
+                for c, ((q_c, k_c, v_c), back, mine) in enumerate(pool.map(rank, range(cp))):
+                    assert torch.equal(q_c, q[:, c * heads // cp:(c + 1) * heads // cp]), (cp, c)
+                    assert torch.equal(k_c, k[:, c * kv_heads // cp:(c + 1) * kv_heads // cp]), (cp, c)
+                    assert torch.equal(v_c, v[:, c * kv_heads // cp:(c + 1) * kv_heads // cp]), (cp, c)
+                    assert torch.equal(back, y[:, :, mine]), (cp, c)
+                    assert (q_c.dtype, k_c.dtype, v_c.dtype) == (q.dtype, k.dtype, v.dtype)  # each sent as it is
 
 
 # the Llama layout with grouped-query attention (4 heads, 2 key/value heads: each rank attends with
