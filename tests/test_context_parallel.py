@@ -82,7 +82,8 @@ LAYOUTS = {"llama_muon": dict(arch="llama", n_head=4, n_kv_head=2, optimizer="mu
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_both_layouts_and_optimizers_match_one_process(layout, corpus, tmp_path):
-    settings = dict(RUN, train_batch=8, **LAYOUTS[layout], **corpus)  # whole micro-batches at 1 and 2 data-parallel ranks
+    # 8 rows a step: whole micro-batches at 1 and 2 data-parallel ranks
+    settings = dict(RUN, train_batch=8, **LAYOUTS[layout], **corpus)
     runs = {"one": (1, {}), "cp2": (2, dict(cp_size=2)), "cp2_dp2": (4, dict(cp_size=2))}
     if layout == "llama_muon":
         runs["cp2_hybrid"] = (4, dict(cp_size=2, sharding_strategy="HYBRID_SHARD", fsdp_size=2))

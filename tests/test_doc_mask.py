@@ -78,8 +78,8 @@ def mc_items(path) -> str:
 
 @pytest.mark.slow
 def test_doc_mask_is_the_same_over_context_ranks_and_leaves_multiple_choice_alone(short_corpus, tmp_path):
-    settings = dict(RUN, arch="llama", n_head=4, n_kv_head=2, block_size=128, train_batch=8, micro_batch=4, eval_interval=3,
-                    mc_eval_path=mc_items(tmp_path / "mc.jsonl"), **short_corpus)
+    settings = dict(RUN, arch="llama", n_head=4, n_kv_head=2, block_size=128, train_batch=8, micro_batch=4,
+                    eval_interval=3, mc_eval_path=mc_items(tmp_path / "mc.jsonl"), **short_corpus)
     runs = {"masked": (1, dict(doc_mask=True)), "masked_cp2": (2, dict(doc_mask=True, cp_size=2)), "plain": (1, {})}
     for name, (nproc, extra) in runs.items():
         os.makedirs(tmp_path / name)

@@ -73,8 +73,9 @@ RING_RUN = RUN | dict(train_batch=4, block_size=64, micro_batch=2, checkpoint_ty
 
 @pytest.fixture(scope="module")
 def ring_runs(short_corpus, tmp_path_factory):  # noqa: F811 - the fixture imported above
-    """ring_runs(layout, name) -> the folder of that run, launched once a session: "one" (one process), "cp2"
-    and "cp4" (the ring over 2 and 4 ranks; cp4 with activation checkpointing, cp2 of gpt2_muon compiled)."""
+    """ring_runs(layout, name) -> the folder of that run, launched once a session: "one" (one process),
+    "cp2" and "cp4" (the ring over 2 and 4 ranks; cp4 with activation checkpointing, cp2 of gpt2_muon
+    compiled)."""
     launch_once = launcher_once(tmp_path_factory, "ring", **RING_RUN, **short_corpus)
 
     def run(layout: str, name: str) -> str:

@@ -69,7 +69,7 @@ def context_groups(world_size: int, cp_size: int):
 def _to_tokens(y: torch.Tensor, group, cp: int) -> torch.Tensor:
     """y (B, heads/cp, T, D): my heads of every rank's tokens -> (B, heads, T/cp, D): every head of my
     tokens. Piece j (rank j's tokens) goes to rank j; the pieces received are rank j's heads."""
-    pieces = torch.stack(y.chunk(cp, dim=2)).contiguous()  # (cp, ...): piece j for rank j
+    pieces = torch.stack(y.chunk(cp, dim=2))  # (cp, ...): piece j for rank j, one contiguous copy
     received = all_to_all_single_autograd(pieces, None, None, group)
     return torch.cat(received.unbind(0), dim=1)
 
