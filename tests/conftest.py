@@ -104,6 +104,15 @@ def zygote_python() -> dict:
                 ZYGOTE_SOCKET=zygote_socket())
 
 
+def torchrun_forking_workers() -> tuple[list[str], dict]:
+    """torchrun's options and environment under which it starts each worker as a fork of this test
+    process's zygote (`--no-python tests/zygote_python`), not as a fresh interpreter that imports torch
+    again (~6 CPU-seconds a worker): for tests of what torchrun does across launches (rendezvous, the
+    ranks' variables), not of how it stops its workers (its signals reach the zygote's client, not the rank)."""
+    env = zygote_python()
+    return ["--no-python", env["PYTHON"]], env
+
+
 def run_in_zygote(argv: list[str], cwd: str, env: dict, nproc: int, timeout: float) -> subprocess.CompletedProcess:
     """`python argv...` on nproc ranks, forked by the zygote started with env's READ_ONCE settings."""
     read_once = tuple(sorted((k, v) for k, v in env.items() if k.startswith(READ_ONCE)))

@@ -2,6 +2,7 @@
 and the SLURM script train the same run as one process."""
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import (DEMO, ROOT, RUN, TINY, assert_quiet, evaluated, free_port, launcher_once, overrides, scalars,
-                      shared, stderr_of)
+                      shared, stderr_of, torchrun_forking_workers)
 
 pytestmark = pytest.mark.slow
 STEPS = RUN["max_iters"]
@@ -117,13 +118,14 @@ def launch_two_nodes(tmp_path, settings: dict) -> list[tuple[int, str, str]]:
     """Two torchrun launches of 2 ranks, as on two machines, each in its own folder node0/node1,
     where relative checkpoint and log paths land (a node's local disk). (exit code, stdout, stderr) each."""
     port, nodes = free_port(), []
+    forking, env = torchrun_forking_workers()
     for node_rank in (0, 1):
         (tmp_path / f"node{node_rank}").mkdir(exist_ok=True)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node_rank}",
-               "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={port}",
+               "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={port}", *forking,
                os.path.join(ROOT, "train_fsdp.py"), DEMO] + overrides(**settings)
         nodes.append(subprocess.Popen(cmd, cwd=tmp_path / f"node{node_rank}", text=True, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, env=dict(os.environ, OMP_NUM_THREADS="1")))
+                                      stderr=subprocess.PIPE, env=dict(os.environ, OMP_NUM_THREADS="1", **env)))
     return [(node.returncode, *output) for node, output in zip(nodes, [n.communicate(timeout=300) for n in nodes])]
 
 
@@ -188,6 +190,13 @@ def test_sharded_checkpoints_on_node_local_disks(two_nodes, corpus, tmp_path):
     assert "error:" not in outputs[1][2]
 
 
+# torchrun as train_slurm.sh calls it (its options, then the script), its workers forked from the tests' zygote
+FORKING_TORCHRUN = """#!/bin/bash
+options=()
+while [[ $1 == --* ]]; do options+=("$1"); shift; done
+exec "$ZYGOTE_INTERPRETER" -m torch.distributed.run "${options[@]}" %s "$@"
+"""
+
 FAKE_SRUN = """#!/bin/bash
 # stand-in for SLURM's srun: the command once per node, each with the variables SLURM gives its task
 while [[ $1 == --* ]]; do shift; done
@@ -206,14 +215,16 @@ def test_slurm_script_gives_each_node_its_rank(single_process, corpus, tmp_path)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "srun").write_text(FAKE_SRUN)
+    forking, zygote_env = torchrun_forking_workers()
+    (bin_dir / "torchrun").write_text(FORKING_TORCHRUN % shlex.join(forking))
     # the head node first, then a large allocation's worth of others (a reader that stops early
     # would end scontrol with SIGPIPE)
     (bin_dir / "scontrol").write_text("#!/bin/bash\necho 127.0.0.1\nseq -f 'node%g' 100000\n")
-    for tool in ("srun", "scontrol"):
+    for tool in ("srun", "scontrol", "torchrun"):
         (bin_dir / tool).chmod(0o755)
     env = dict(os.environ, PATH=f"{bin_dir}:{os.path.dirname(sys.executable)}:{os.environ['PATH']}", OMP_NUM_THREADS="1",
                SLURM_JOB_NODELIST="node[1-2]", SLURM_NNODES="2", SLURM_NTASKS="2", NPROC_PER_NODE="2",
-               MASTER_PORT=str(free_port()))
+               MASTER_PORT=str(free_port()), **zygote_env)
     settings = TINY | RUN | corpus | dict(checkpoint_dir=str(tmp_path / "ckpt"), tensorboard_dir=str(tmp_path / "tb"))
     result = subprocess.run(["bash", os.path.join(ROOT, "train_slurm.sh"), DEMO, *overrides(**settings)], cwd=ROOT,
                             env=env, capture_output=True, text=True, timeout=300)
