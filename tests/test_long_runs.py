@@ -164,7 +164,8 @@ def test_too_many_non_finite_steps_in_a_row_stop_every_rank(async_save, corpus, 
     assert all(torch.isfinite(t).all() for s in (2, 4, 6) for t in states(tmp_path / "ckpt" / f"fsdp_cpt{s}.pth").values())
 
 
-def test_a_state_with_a_non_finite_value_is_never_saved(one_process_group, tmp_path):
+@pytest.mark.parametrize("where", ["a weight's NaN", "a moment's inf"])
+def test_a_state_with_a_non_finite_value_is_never_saved(where, one_process_group, tmp_path):
     from fsdp_gpt.config import RunStopped
     from fsdp_gpt.checkpoint.fsdp_ckpt import CheckpointManager
     from fsdp_gpt.distributed.launch import Topology
@@ -172,10 +173,17 @@ def test_a_state_with_a_non_finite_value_is_never_saved(one_process_group, tmp_p
     cfg = parse_args([DEMO, f"--checkpoint_dir={tmp_path}"])
     model = GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=16))
     optimizer = torch.optim.AdamW(model.parameters())
+    tokens = torch.zeros(1, 8, dtype=torch.long)
+    model(tokens, tokens)[1].backward()
+    optimizer.step()  # AdamW's moments exist
     manager = CheckpointManager(cfg, Topology(0, 1, 0, 1, torch.device("cpu"), "none", None))
     manager.save(1, model, optimizer)
+    weight = model.blocks[0].mlp.c_fc.weight
     with torch.no_grad():
-        model.blocks[0].mlp.c_fc.weight[0, 0] = float("nan")
+        if where == "a weight's NaN":
+            weight[0, 0] = float("nan")
+        else:
+            optimizer.state[weight]["exp_avg"][-1, -1] = float("inf")
     with pytest.raises(RunStopped, match=f"the state after step 2 holds a non-finite value: not saved. Last good "
                                          f"checkpoint: {tmp_path}/fsdp_cpt1.pth"):
         manager.save(2, model, optimizer)
