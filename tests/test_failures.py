@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from fsdp_gpt.checkpoint import run_lock
-from conftest import DEMO, RESTARTED, ROOT, TINY, figures, free_port, overrides, run_trainer, scalars
+from conftest import DEMO, RESTARTED, ROOT, TINY, figures, free_port, launch, overrides, run_trainer, scalars
 from fsdp_gpt.config import TrainConfig, UserError
 from fsdp_gpt.resilience.watchdog import Watchdog
 
@@ -200,12 +200,15 @@ def test_a_full_disk_during_a_save_keeps_training_and_loses_nothing_saved(kind, 
 def test_the_os_reason_of_a_failed_write_is_named(tmp_path):
     """A file size limit (EFBIG) stands for quotas and I/O errors: the OS's reason, no temp file."""
     from fsdp_gpt.checkpoint import ckpt_format
-    code = (f"import resource, sys, torch; sys.path.insert(0, {ROOT!r}); from fsdp_gpt.checkpoint import ckpt_format\n"
-            f"resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))\n"
-            f"ckpt_format.save_atomically({{'w': torch.zeros(100_000)}}, {str(tmp_path / 'fsdp_cpt1.pth')!r})")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    # in a process of its own (the limit stays with it), forked from the zygote, where torch is imported
+    (tmp_path / "writer").mkdir()
+    script = tmp_path / "writer" / "write.py"
+    script.write_text(f"import resource, sys, torch; sys.path.insert(0, {ROOT!r}); from fsdp_gpt.checkpoint import ckpt_format\n"
+                      f"resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))\n"
+                      f"ckpt_format.save_atomically({{'w': torch.zeros(100_000)}}, {str(tmp_path / 'fsdp_cpt1.pth')!r})")
+    result = launch([str(script)], tmp_path, timeout=60)
     assert f"WriteFailed: writing checkpoint {tmp_path / 'fsdp_cpt1.pth'} failed: File too large (errno 27)" in result.stderr
-    assert os.listdir(tmp_path) == []
+    assert os.listdir(tmp_path) == ["writer"]
     assert issubclass(ckpt_format.WriteFailed, UserError)
 
 
