@@ -76,9 +76,10 @@ ZYGOTE = os.path.join(ROOT, "tests", "zygote.py")
 
 # Variables a process reads once, at its start or at its first use of a library, whose reading its
 # forks inherit: glibc's allocator settings (MALLOC_*), the instruction set of ATen's own kernels
-# (ATEN_CPU_CAPABILITY, at the first kernel ATen dispatches) and MKL's code branch (MKL_CBWR, at its
-# first call). Each set of them gets a zygote started with them.
-READ_ONCE = ("MALLOC_", "ATEN_CPU_CAPABILITY", "MKL_CBWR")
+# (ATEN_CPU_CAPABILITY, at the first kernel ATen dispatches), MKL's code branch (MKL_CBWR, at its
+# first call) and the zygote's own WITHOUT_TORCHAO (tests/without_torchao.py, before it imports
+# anything). Each set of them gets a zygote started with them.
+READ_ONCE = ("MALLOC_", "ATEN_CPU_CAPABILITY", "MKL_CBWR", "WITHOUT_TORCHAO")
 
 
 def zygote_socket(read_once: tuple = ()) -> str:

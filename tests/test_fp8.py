@@ -25,7 +25,7 @@ from test_bad_input import one_line, train_in_process
 
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 FP8 = dict(fp8="tensorwise", fp8_emulate=True, fp8_layers="all")
-WITHOUT_TORCHAO = [sys.executable, os.path.join(ROOT, "tests", "without_torchao.py")]
+WITHOUT_TORCHAO = {"WITHOUT_TORCHAO": "1"}  # ranks forked from a zygote that can't find torchao (tests/without_torchao.py)
 
 
 def float8():
@@ -317,9 +317,23 @@ def test_resume_is_bitwise_and_reshards(fp8_run, corpus, tmp_path):
 
 
 @pytest.mark.slow
+def test_the_runs_without_torchao_find_none(tmp_path):
+    """What the tests below rest on: a process of the zygote started with WITHOUT_TORCHAO finds no
+    torchao, by import or as transformers asks (the package finders and the installed distributions)."""
+    float8()  # installed here, or nothing to hide
+    probe = tmp_path / "probe.py"
+    probe.write_text("import importlib.metadata, importlib.util\nfrom transformers.utils import is_torchao_available\n"
+                     "try:\n    import torchao\nexcept ImportError:\n    print('no import')\n"
+                     "print(importlib.util.find_spec('torchao'), list(importlib.metadata.distributions(name='torchao')), "
+                     "is_torchao_available())\n")
+    result = launch([str(probe)], tmp_path, env=WITHOUT_TORCHAO)
+    assert result.stdout.splitlines() == ["no import", "None [] False"], result.stderr[-3000:]
+
+
+@pytest.mark.slow
 def test_fp8_checkpoint_resumes_without_fp8_where_torchao_is_not_installed(fp8_run, corpus, tmp_path):
     expected = losses(fp8_run("FULL_SHARD2"))
-    result = run_trainer(str(tmp_path), launcher=WITHOUT_TORCHAO, resume_from=checkpoint_of(
+    result = run_trainer(str(tmp_path), env=WITHOUT_TORCHAO, resume_from=checkpoint_of(
         fp8_run("FULL_SHARD2"), "sharded", 5, 0), **STEPS, **corpus)
     assert "resumed from" in result.stdout and "block linears in FP8" not in result.stdout
     got = losses(str(tmp_path))
@@ -349,7 +363,7 @@ def test_tools_take_an_fp8_runs_checkpoints_where_torchao_is_not_installed(kind,
     path = checkpoint_of(run, kind, 10, rank=0)
 
     def tool(script, *args):
-        result = launch([os.path.join(ROOT, script), path, *map(str, args)], ROOT, launcher=WITHOUT_TORCHAO)
+        result = launch([os.path.join(ROOT, script), path, *map(str, args)], ROOT, env=WITHOUT_TORCHAO)
         assert result.returncode == 0, result.stderr[-3000:]
         return result.stdout
     val_loss = float(tool("evaluate.py").split("val loss ")[1].split()[0])

@@ -1,9 +1,7 @@
-"""Run by test_fp8.py: `python tests/without_torchao.py SCRIPT ARGS` runs SCRIPT as `python SCRIPT
-ARGS` would on a machine where torchao is not installed: every importer and package finder looks
-past it (an import fails, importlib.util.find_spec and importlib.metadata find nothing, as
-transformers asks them)."""
-import os
-import runpy
+"""Used by the tests' zygote (tests/zygote.py) when started with WITHOUT_TORCHAO=1 (test_fp8.py's
+runs through `conftest.launch(..., env=WITHOUT_TORCHAO)`): its ranks run as they would on a machine
+where torchao is not installed. Every importer and package finder looks past it (an import fails,
+importlib.util.find_spec and importlib.metadata find nothing, as transformers asks them)."""
 import sys
 
 
@@ -28,9 +26,8 @@ class WithoutTorchao:
         return getattr(self.finder, name)
 
 
-if "torchao" in sys.modules:
-    raise SystemExit("without_torchao.py: torchao is imported already")
-sys.meta_path[:] = [WithoutTorchao(finder) for finder in sys.meta_path]
-sys.argv = sys.argv[1:]
-sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))  # as `python SCRIPT` sets it
-runpy.run_path(sys.argv[0], run_name="__main__")
+def hide_torchao() -> None:
+    """From here on, this process (and its forks) can't find torchao: call it before anything imports it."""
+    if "torchao" in sys.modules:
+        raise SystemExit("without_torchao.py: torchao is imported already")
+    sys.meta_path[:] = [WithoutTorchao(finder) for finder in sys.meta_path]

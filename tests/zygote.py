@@ -105,6 +105,9 @@ def request(path: str, argv: list[str], cwd: str, env: dict, nproc: int, port: i
 def serve(path: str) -> None:
     global torch
     sys.path.insert(0, ROOT)
+    if os.environ.get("WITHOUT_TORCHAO"):
+        from without_torchao import hide_torchao
+        hide_torchao()
     import train_fsdp  # noqa: F401 - the imports every rank needs, done once here
     import torch
     import torch.utils.tensorboard  # noqa: F401 - rank 0's, imported when it logs: 0.28 CPU-seconds a run
