@@ -94,6 +94,7 @@ def zygote_socket(read_once: tuple = ()) -> str:
         # it holds an imported torch (~200 MB): left running, each test session's zygotes piled up
         # until the machine ran out of memory
         atexit.register(process.kill)
+        atexit.register(shutil.rmtree, os.path.dirname(path), True)  # its socket's folder
         _zygote[read_once] = (process, path)
     return _zygote[read_once][1]
 

@@ -21,7 +21,7 @@ from fsdp_gpt.optim import muon
 from fsdp_gpt.distributed import precision
 import train_fsdp
 from fsdp_gpt.config_parse import parse_args
-from conftest import DEMO, ROOT, trainer_cmd, zygote_python
+from conftest import DEMO, ROOT, launch, zygote_python
 from fsdp_gpt.data.prepare import prepare_data
 from fsdp_gpt.evaluation.val_loss import val_loss_sums
 from fsdp_gpt.checkpoint.fsdp_ckpt import _placed, sharded_state
@@ -283,9 +283,8 @@ def test_multiple_choice_forwards_run_eager_under_compiled_blocks():
 
 
 def test_srun_without_torchrun_is_refused(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")} | {"SLURM_NTASKS": "8",
-                                                                                    "SLURM_PROCID": "3"}
-    result = subprocess.run(trainer_cmd(1) + [DEMO], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    env = {"RANK": None, "WORLD_SIZE": None, "SLURM_NTASKS": "8", "SLURM_PROCID": "3"}
+    result = launch([os.path.join(ROOT, "train_fsdp.py"), DEMO], tmp_path, env=env, timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "error: started as 8 SLURM tasks without torchrun: start one task per node that runs torchrun "
