@@ -6,6 +6,7 @@ import fcntl
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -31,6 +32,7 @@ os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO = os.path.join(ROOT, "config", "demo_cpu.yaml")
+TRAINER = os.path.join(ROOT, "train_fsdp.py")
 
 # fp32, no dropout: runs that must agree step by step
 TINY = dict(n_layer=2, n_head=2, n_embd=64, block_size=32, dropout=0.0, dtype="fp32", train_batch=8,
@@ -41,9 +43,9 @@ TINY = dict(n_layer=2, n_head=2, n_embd=64, block_size=32, dropout=0.0, dtype="f
 
 def trainer_cmd(nproc: int) -> list[str]:
     if nproc == 1:
-        return [sys.executable, os.path.join(ROOT, "train_fsdp.py")]
+        return [sys.executable, TRAINER]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            os.path.join(ROOT, "train_fsdp.py")]
+            TRAINER]
 
 
 def counted_parameters(config: str, *args: str) -> int:
@@ -115,13 +117,50 @@ def torchrun_forking_workers() -> tuple[list[str], dict]:
     return ["--no-python", env["PYTHON"]], env
 
 
+def zygote_of(env: dict) -> str:
+    """The socket of the zygote started with env's READ_ONCE settings."""
+    return zygote_socket(tuple(sorted((k, v) for k, v in env.items() if k.startswith(READ_ONCE))))
+
+
 def run_in_zygote(argv: list[str], cwd: str, env: dict, nproc: int, timeout: float) -> subprocess.CompletedProcess:
     """`python argv...` on nproc ranks, forked by the zygote started with env's READ_ONCE settings."""
-    read_once = tuple(sorted((k, v) for k, v in env.items() if k.startswith(READ_ONCE)))
-    reply = zygote.request(zygote_socket(read_once), argv, str(cwd), env, nproc, free_port(), timeout)
+    reply = zygote.request(zygote_of(env), argv, str(cwd), env, nproc, free_port(), timeout)
     if reply["timed_out"]:
         raise subprocess.TimeoutExpired(argv, timeout, reply["stdout"], reply["stderr"])
     return subprocess.CompletedProcess(argv, reply["returncode"], reply["stdout"], reply["stderr"])
+
+
+def run_env(env: dict | None) -> dict:
+    """This process's environment with a run's one thread and unbuffered output, and `env` over it
+    (a value of None unsets that variable)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1") | (env or {})
+    return {name: value for name, value in env.items() if value is not None}
+
+
+class Spawned:
+    """`python argv...` as one process forked from the zygote, for tests of what signals do to a run:
+    signalled as a subprocess.Popen is (its pid), its stdout and stderr written into `output` as it goes."""
+
+    def __init__(self, argv: list[str], cwd, output, env: dict | None = None, timeout: float = 300):
+        env = run_env(env)
+        self.output, self.launched = output, zygote.Launched(zygote_of(env), argv, str(cwd), env, 1, free_port(),
+                                                             timeout, str(output))
+        self.pid = self.launched.pids[0]
+
+    def printed(self) -> str:
+        return open(self.output, errors="replace").read()
+
+    def send_signal(self, signum: int) -> None:
+        os.kill(self.pid, signum)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Its exit code, negative for a signal (as Popen's)."""
+        self.launched.connection.settimeout(timeout)
+        with self.launched:
+            return self.launched.reply()["returncode"]
 
 
 def launch(argv: list[str], cwd, nproc: int = 1, env: dict | None = None, timeout: float = 300,
@@ -129,8 +168,7 @@ def launch(argv: list[str], cwd, nproc: int = 1, env: dict | None = None, timeou
     """`python argv...` on nproc ranks: through a zygote, which starts ranks as torchrun would
     without importing torch for each, unless an explicit `launcher` command or the GPUs (which
     the zygote hides) are asked for. An `env` value of None unsets that variable."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1") | (env or {})
-    env = {name: value for name, value in env.items() if value is not None}
+    env = run_env(env)
     if launcher is None and env.get("CUDA_VISIBLE_DEVICES") == "":
         return run_in_zygote(argv, str(cwd), env, nproc, timeout)
     cmd = (launcher or trainer_cmd(nproc)[:-1]) + argv
@@ -138,7 +176,7 @@ def launch(argv: list[str], cwd, nproc: int = 1, env: dict | None = None, timeou
 
 
 def run_trainer(run_dir, nproc=1, config=DEMO, timeout=300, check=True, launcher=None, env=None,
-                script=os.path.join(ROOT, "train_fsdp.py"), **kwargs):
+                script=TRAINER, **kwargs):
     """Run the trainer (or a probe `script` that runs it) on nproc ranks with TINY settings plus kwargs."""
     settings = dict(TINY, checkpoint_dir=os.path.join(run_dir, "ckpt"),
                     tensorboard_dir=os.path.join(run_dir, "tb")) | kwargs

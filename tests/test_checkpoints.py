@@ -16,8 +16,8 @@ from fsdp_gpt.checkpoint import ckpt_format, ckpt_inspect
 from fsdp_gpt.checkpoint.ckpt_format import save_atomically
 from fsdp_gpt.config import TrainConfig, UserError
 from fsdp_gpt.model import GPT, GPTConfig
-from conftest import (CANONICAL, DEMO, RESTARTED, ROOT, RUN, TINY, checkpoint_of, figures, overrides, records, run_trainer,
-                      scalars, tool, trainer_cmd)
+from conftest import (CANONICAL, DEMO, RESTARTED, ROOT, RUN, TINY, TRAINER, Spawned, checkpoint_of, figures, overrides,
+                      records, run_trainer, scalars, tool)
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 from scale_plan import Plan  # noqa: E402
@@ -166,18 +166,24 @@ def test_killed_worker_restarts_from_latest(uninterrupted, corpus, tmp_path):
     assert scalars(str(tmp_path / "tb"), "train/loss")[12] == expected[12]
 
 
+def printed_until(proc: Spawned, done, seconds: float = 120) -> str:
+    """What `proc` printed once done(it) holds (or `seconds` passed)."""
+    deadline = time.time() + seconds
+    while not done(output := proc.printed()) and time.time() < deadline:
+        time.sleep(0.01)
+    return output
+
+
 def test_sigterm_saves_the_current_step_and_exits_zero(corpus, tmp_path):
-    cmd = trainer_cmd(1) + [DEMO] + overrides(**(TINY | corpus | dict(
-        max_iters=100, lr_decay_iters=100, checkpoint_dir=str(tmp_path / "ckpt"), tensorboard_dir=str(tmp_path / "tb"))))
-    # the same threads as the runs it is compared with: CPU kernels split their sums by thread
-    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"))
-    for line in proc.stdout:
-        if line.startswith("step 3/"):
-            proc.send_signal(signal.SIGTERM)
-            break
-    output = proc.stdout.read()
-    assert proc.wait(timeout=60) == 0, output
+    # one thread, as the runs it is compared with (CPU kernels split their sums by thread)
+    proc = Spawned([TRAINER, DEMO] + overrides(**(TINY | corpus | dict(
+        max_iters=100, lr_decay_iters=100, checkpoint_dir=str(tmp_path / "ckpt"), tensorboard_dir=str(tmp_path / "tb")))),
+        tmp_path, tmp_path / "output.txt")
+    printed_until(proc, lambda output: "\nstep 3/" in output)
+    proc.send_signal(signal.SIGTERM)
+    code = proc.wait(timeout=60)
+    output = proc.printed()
+    assert code == 0, output
     saved = [n for n in os.listdir(tmp_path / "ckpt") if n.endswith(".pth")]
     assert len(saved) == 1
     stopped_at = int(saved[0][len("fsdp_cpt"):-len(".pth")])
@@ -244,10 +250,10 @@ def test_kills_during_saves_leave_every_visible_checkpoint_loadable(corpus, tmp_
     rng = random.Random(0)
     for attempt in range(4):
         kind = ("full", "sharded")[attempt % 2]
-        cmd = trainer_cmd(1) + [DEMO] + overrides(**(TINY | corpus | dict(
+        proc = Spawned([TRAINER, DEMO] + overrides(**(TINY | corpus | dict(
             max_iters=1000, lr_decay_iters=1000, save_interval=1, checkpoint_type=kind, eval_interval=1000,
-            resume_from="latest", checkpoint_dir=str(tmp_path / "ckpt"), tensorboard_dir=str(tmp_path / "tb"))))
-        proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            resume_from="latest", checkpoint_dir=str(tmp_path / "ckpt"), tensorboard_dir=str(tmp_path / "tb")))),
+            tmp_path, tmp_path / f"attempt{attempt}.txt")
         saved = len(ckpt_format.complete_checkpoints(str(tmp_path / "ckpt")))
         deadline = time.time() + 120
         while len(ckpt_format.complete_checkpoints(str(tmp_path / "ckpt"))) == saved and time.time() < deadline:
@@ -296,13 +302,14 @@ def test_resume_refuses_a_folder_with_newer_checkpoints_and_prune_keeps_new_save
 
 def test_sigterm_during_start_up_stops_after_the_first_step(corpus, tmp_path):
     """The handler is in place before data preparation and the model build; the stop saves and skips eval."""
-    cmd = trainer_cmd(1) + [DEMO] + overrides(**(TINY | corpus | dict(
-        max_iters=100, lr_decay_iters=100, checkpoint_dir=str(tmp_path / "ckpt"), tensorboard_dir=str(tmp_path / "tb"))))
-    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    first_line = proc.stdout.readline()  # printed before the model is built
+    proc = Spawned([TRAINER, DEMO] + overrides(**(TINY | corpus | dict(
+        max_iters=100, lr_decay_iters=100, checkpoint_dir=str(tmp_path / "ckpt"), tensorboard_dir=str(tmp_path / "tb")))),
+        tmp_path, tmp_path / "output.txt")
+    printed_until(proc, lambda output: "\n" in output)  # the first line, printed before the model is built
     proc.send_signal(signal.SIGTERM)
-    output = first_line + proc.stdout.read()
-    assert proc.wait(timeout=120) == 0, output
+    code = proc.wait(timeout=120)
+    output = proc.printed()
+    assert code == 0, output
     assert "SIGTERM: stopped after step 1 with its checkpoint saved" in output
     assert os.listdir(tmp_path / "ckpt") == ["fsdp_cpt1.pth"]
     assert "step 1/100 | val loss" not in output

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from fsdp_gpt.checkpoint import run_lock
-from conftest import DEMO, RESTARTED, ROOT, TINY, figures, free_port, launch, overrides, run_trainer, scalars
+from conftest import (DEMO, RESTARTED, ROOT, TINY, Spawned, figures, free_port, launch, overrides, run_env, run_trainer,
+                      scalars)
 from fsdp_gpt.config import TrainConfig, UserError
 from fsdp_gpt.resilience.watchdog import Watchdog
 
@@ -215,17 +216,19 @@ def test_the_os_reason_of_a_failed_write_is_named(tmp_path):
 # ---- Ctrl-C ----
 def interrupted(tmp_path, nproc: int, presses: int) -> tuple[int, str, float]:
     """The trainer (steps made slow from step 3) interrupted by `presses` Ctrl-C at step 4, as a
-    terminal sends them: to torchrun's agent, or to the one process. (exit code, output, seconds
-    from the first press to the end)."""
-    launcher = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-                                   if nproc > 1 else [])
+    terminal sends them: to torchrun's agent, or to the one process (forked from the zygote). (exit
+    code, output, seconds from the first press to the end)."""
     settings = TINY | dict(max_iters=100, lr_decay_iters=100, checkpoint_dir=str(tmp_path / "ckpt"),
                            tensorboard_dir=str(tmp_path / "tb"))
+    argv, hang = [PROBE, DEMO] + overrides(**settings), dict(HANG="slow", HANG_RANK="0", HANG_STEP="3")
     log = tmp_path / "output.txt"
     with open(log, "w") as out:
-        proc = subprocess.Popen(launcher + [PROBE, DEMO] + overrides(**settings), cwd=tmp_path, stdout=out,
-                                stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-                                                                   HANG="slow", HANG_RANK="0", HANG_STEP="3"))
+        if nproc == 1:
+            proc = Spawned(argv, tmp_path, log, env=hang)
+        else:
+            proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                     f"--nproc_per_node={nproc}"] + argv, cwd=tmp_path, stdout=out,
+                                    stderr=subprocess.STDOUT, env=run_env(hang))
         deadline = time.time() + 120
         while 4 not in figures(str(tmp_path / "tb"), "train/loss") and time.time() < deadline:
             time.sleep(0.05)

@@ -13,6 +13,7 @@ rendezvous across launches) is tested with torchrun; conftest.run_trainer uses t
     python tests/zygote.py --run SOCKET_PATH NPROC SCRIPT ARGS  # a client, as `python SCRIPT ARGS` would be
                                                                 # (test_docs.py's python and torchrun)
 """
+import contextlib
 import gc
 import json
 import os
@@ -56,16 +57,22 @@ def run_rank(request: dict, rank: int, out_fd: int, err_fd: int) -> None:
     os._exit(code)
 
 
-def launch(request: dict) -> dict:
-    """Fork the ranks, wait for them (stopping the others a few seconds after one fails), and
-    return what they printed and the exit code torchrun (or python, for one rank) would give."""
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+def launch(request: dict, started=lambda pids: None) -> dict:
+    """Fork the ranks (`started` told their pids), wait for them (stopping the others a few seconds
+    after one fails), and return what they printed and the exit code torchrun (or python, for one
+    rank) would give. A request's `output` file takes stdout and stderr as they are written instead."""
+    with contextlib.ExitStack() as files:
+        if request.get("output"):
+            out = err = files.enter_context(open(request["output"], "wb"))
+        else:
+            out, err = (files.enter_context(tempfile.TemporaryFile()) for _ in "12")
         pids = []
         for rank in range(request["nproc"]):
             pid = os.fork()
             if pid == 0:
                 run_rank(request, rank, out.fileno(), err.fileno())
             pids.append(pid)
+        started(pids)
         codes, deadline, failed_at = {}, time.time() + request["timeout"], None
         while len(codes) < len(pids):
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -81,25 +88,46 @@ def launch(request: dict) -> dict:
                         os.kill(p, signal.SIGKILL)
             time.sleep(0.01)
         timed_out = time.time() > deadline
-        out.seek(0)
-        err.seek(0)
         ordered = [codes[p] for p in pids]
         failures = [c for c in ordered if c != 0]
         code = ordered[0] if len(pids) == 1 else (1 if failures else 0)
-        return {"returncode": code, "stdout": out.read().decode(errors="replace"),
-                "stderr": err.read().decode(errors="replace"), "timed_out": timed_out}
+        printed = ["", ""]
+        if not request.get("output"):
+            for f in (out, err):
+                f.seek(0)
+            printed = [f.read().decode(errors="replace") for f in (out, err)]
+        return {"returncode": code, "stdout": printed[0], "stderr": printed[1], "timed_out": timed_out}
 
 
 def request(path: str, argv: list[str], cwd: str, env: dict, nproc: int, port: int, timeout: float) -> dict:
     """Send one launch to the zygote at `path` and wait for its reply."""
-    message = dict(argv=[os.path.abspath(argv[0])] + argv[1:], cwd=cwd, env=env, nproc=nproc, port=port,
-                   timeout=timeout)
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
-        client.connect(path)
-        with client.makefile("rwb") as stream:
-            stream.write(json.dumps(message).encode() + b"\n")
-            stream.flush()
-            return json.loads(stream.readline())
+    with Launched(path, argv, cwd, env, nproc, port, timeout) as launched:
+        return launched.reply()
+
+
+class Launched:
+    """A launch sent to the zygote at `path`: its ranks' pids at once (to signal them), its reply
+    when they end. With an `output` file, the ranks print into it as they go."""
+
+    def __init__(self, path: str, argv: list[str], cwd: str, env: dict, nproc: int, port: int, timeout: float,
+                 output: str | None = None):
+        self.connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.connection.connect(path)
+        self.stream = self.connection.makefile("rwb")
+        self.stream.write(json.dumps(dict(argv=[os.path.abspath(argv[0])] + argv[1:], cwd=cwd, env=env, nproc=nproc,
+                                          port=port, timeout=timeout, output=output)).encode() + b"\n")
+        self.stream.flush()
+        self.pids = json.loads(self.stream.readline())["pids"]
+
+    def reply(self) -> dict:
+        return json.loads(self.stream.readline())
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stream.close()
+        self.connection.close()
 
 
 def serve(path: str) -> None:
@@ -130,8 +158,10 @@ def serve(path: str) -> None:
         if os.fork() == 0:  # the launcher: one per request, so requests may overlap
             server.close()
             with connection, connection.makefile("rwb") as stream:
-                reply = launch(json.loads(stream.readline()))
-                stream.write(json.dumps(reply).encode() + b"\n")
+                def send(message):
+                    stream.write(json.dumps(message).encode() + b"\n")
+                    stream.flush()
+                send(launch(json.loads(stream.readline()), started=lambda pids: send({"pids": pids})))
             os._exit(0)
         connection.close()
         while True:  # reap finished launchers
