@@ -1,23 +1,20 @@
-"""Shared helpers: a tiny corpus, a tiny model config, launching the real trainer (through the
-zygote), and the runs many tests read, launched once per session."""
-import atexit
+"""Shared helpers: a tiny corpus, a tiny model config, running the real trainer (started as
+tests/launching.py starts it), and the runs many tests read, launched once per session."""
 import contextlib
 import fcntl
 import os
 import re
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import sysconfig
-import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
 
-import zygote
+from launching import (ROOT, TRAINER, Spawned, free_port, launch, run_env, run_in_zygote,  # noqa: F401 - the tests'
+                       torchrun_forking_workers, trainer_cmd, zygote_python)  # names for them, as conftest's
 from fsdp_gpt.config_parse import parse_args
 from fsdp_gpt.data.prepare import prepare_data
 from fsdp_gpt.model import GPT, GPTConfig
@@ -30,22 +27,13 @@ from fsdp_gpt.observe.metrics import read_scalars as scalars, read_texts as text
 VISIBLE_GPUS = os.environ.get("CUDA_VISIBLE_DEVICES")
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO = os.path.join(ROOT, "config", "demo_cpu.yaml")
-TRAINER = os.path.join(ROOT, "train_fsdp.py")
 
 # fp32, no dropout: runs that must agree step by step
 TINY = dict(n_layer=2, n_head=2, n_embd=64, block_size=32, dropout=0.0, dtype="fp32", train_batch=8,
             micro_batch=2, max_iters=8, warmup_iters=2, lr_decay_iters=8, learning_rate=3e-3, min_lr=3e-4,
             log_interval=1, eval_interval=4, eval_iters=1, save_interval=1000, tokenizer="bytes", seed=7,
             sample_tokens=0)
-
-
-def trainer_cmd(nproc: int) -> list[str]:
-    if nproc == 1:
-        return [sys.executable, TRAINER]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            TRAINER]
 
 
 def counted_parameters(config: str, *args: str) -> int:
@@ -70,109 +58,6 @@ def pytest_collection_modifyitems(items):
     def rank(item):
         return next((i for i, prefix in enumerate(LONGEST_FIRST) if prefix in item.nodeid), len(LONGEST_FIRST))
     items.sort(key=rank)  # stable: otherwise the collected order
-
-
-_zygote = {}
-ZYGOTE = os.path.join(ROOT, "tests", "zygote.py")
-
-
-# Variables a process reads once, at its start or at its first use of a library, whose reading its
-# forks inherit: glibc's allocator settings (MALLOC_*), the instruction set of ATen's own kernels
-# (ATEN_CPU_CAPABILITY, at the first kernel ATen dispatches), MKL's code branch (MKL_CBWR, at its
-# first call) and the zygote's own WITHOUT_TORCHAO (tests/without_torchao.py, before it imports
-# anything). Each set of them gets a zygote started with them.
-READ_ONCE = ("MALLOC_", "ATEN_CPU_CAPABILITY", "MKL_CBWR", "WITHOUT_TORCHAO")
-
-
-def zygote_socket(read_once: tuple = ()) -> str:
-    """The socket of this test process's zygote (tests/zygote.py) for these READ_ONCE settings,
-    started on first use."""
-    if read_once not in _zygote:
-        path = os.path.join(tempfile.mkdtemp(prefix="zygote"), "socket")
-        process = subprocess.Popen([sys.executable, ZYGOTE, path], stdout=subprocess.PIPE, text=True,
-                                   env=dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
-                                            PYTHONUNBUFFERED="1", **dict(read_once)))
-        assert process.stdout.readline().strip() == "ready"
-        # it holds an imported torch (~200 MB): left running, each test session's zygotes piled up
-        # until the machine ran out of memory
-        atexit.register(process.kill)
-        atexit.register(shutil.rmtree, os.path.dirname(path), True)  # its socket's folder
-        _zygote[read_once] = (process, path)
-    return _zygote[read_once][1]
-
-
-def zygote_python() -> dict:
-    """The environment under which `$PYTHON SCRIPT ARGS` runs the script forked from this test process's
-    zygote (tests/zygote_python), for programs that start python themselves."""
-    return dict(PYTHON=os.path.join(ROOT, "tests", "zygote_python"), ZYGOTE_INTERPRETER=sys.executable,
-                ZYGOTE_SOCKET=zygote_socket())
-
-
-def torchrun_forking_workers() -> tuple[list[str], dict]:
-    """torchrun's options and environment under which it starts each worker as a fork of this test
-    process's zygote (`--no-python tests/zygote_python`), not as a fresh interpreter that imports torch
-    again (~6 CPU-seconds a worker): for tests of what torchrun does across launches (rendezvous, the
-    ranks' variables), not of how it stops its workers (its signals reach the zygote's client, not the rank)."""
-    env = zygote_python()
-    return ["--no-python", env["PYTHON"]], env
-
-
-def zygote_of(env: dict) -> str:
-    """The socket of the zygote started with env's READ_ONCE settings."""
-    return zygote_socket(tuple(sorted((k, v) for k, v in env.items() if k.startswith(READ_ONCE))))
-
-
-def run_in_zygote(argv: list[str], cwd: str, env: dict, nproc: int, timeout: float) -> subprocess.CompletedProcess:
-    """`python argv...` on nproc ranks, forked by the zygote started with env's READ_ONCE settings."""
-    reply = zygote.request(zygote_of(env), argv, str(cwd), env, nproc, free_port(), timeout)
-    if reply["timed_out"]:
-        raise subprocess.TimeoutExpired(argv, timeout, reply["stdout"], reply["stderr"])
-    return subprocess.CompletedProcess(argv, reply["returncode"], reply["stdout"], reply["stderr"])
-
-
-def run_env(env: dict | None) -> dict:
-    """This process's environment with a run's one thread and unbuffered output, and `env` over it
-    (a value of None unsets that variable)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1") | (env or {})
-    return {name: value for name, value in env.items() if value is not None}
-
-
-class Spawned:
-    """`python argv...` as one process forked from the zygote, for tests of what signals do to a run:
-    signalled as a subprocess.Popen is (its pid), its stdout and stderr written into `output` as it goes."""
-
-    def __init__(self, argv: list[str], cwd, output, env: dict | None = None, timeout: float = 300):
-        env = run_env(env)
-        self.output, self.launched = output, zygote.Launched(zygote_of(env), argv, str(cwd), env, 1, free_port(),
-                                                             timeout, str(output))
-        self.pid = self.launched.pids[0]
-
-    def printed(self) -> str:
-        return open(self.output, errors="replace").read()
-
-    def send_signal(self, signum: int) -> None:
-        os.kill(self.pid, signum)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
-    def wait(self, timeout: float | None = None) -> int:
-        """Its exit code, negative for a signal (as Popen's)."""
-        self.launched.connection.settimeout(timeout)
-        with self.launched:
-            return self.launched.reply()["returncode"]
-
-
-def launch(argv: list[str], cwd, nproc: int = 1, env: dict | None = None, timeout: float = 300,
-           launcher: list[str] | None = None) -> subprocess.CompletedProcess:
-    """`python argv...` on nproc ranks: through a zygote, which starts ranks as torchrun would
-    without importing torch for each, unless an explicit `launcher` command or the GPUs (which
-    the zygote hides) are asked for. An `env` value of None unsets that variable."""
-    env = run_env(env)
-    if launcher is None and env.get("CUDA_VISIBLE_DEVICES") == "":
-        return run_in_zygote(argv, str(cwd), env, nproc, timeout)
-    cmd = (launcher or trainer_cmd(nproc)[:-1]) + argv
-    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def run_trainer(run_dir, nproc=1, config=DEMO, timeout=300, check=True, launcher=None, env=None,
@@ -227,12 +112,6 @@ def as_gpt(hf):
 def evaluated(checkpoint, *args, env: dict | None = None) -> float:
     """The val loss evaluate.py reports for a checkpoint."""
     return float(tool("evaluate.py", checkpoint, *args, env=env).split("val loss ")[1].split()[0])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

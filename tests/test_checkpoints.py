@@ -166,22 +166,22 @@ def test_killed_worker_restarts_from_latest(uninterrupted, corpus, tmp_path):
     assert scalars(str(tmp_path / "tb"), "train/loss")[12] == expected[12]
 
 
-def printed_until(proc: Spawned, done, seconds: float = 120) -> str:
-    """What `proc` printed once done(it) holds (or `seconds` passed)."""
+def running_until(proc: Spawned, done, seconds: float = 120) -> None:
+    """Wait while `proc` runs until done() holds."""
     deadline = time.time() + seconds
-    while not done(output := proc.printed()) and time.time() < deadline:
+    while not done():
+        assert proc.poll() is None and time.time() < deadline, proc.printed()[-3000:]
         time.sleep(0.01)
-    return output
 
 
 def test_sigterm_saves_the_current_step_and_exits_zero(corpus, tmp_path):
     # one thread, as the runs it is compared with (CPU kernels split their sums by thread)
-    proc = Spawned([TRAINER, DEMO] + overrides(**(TINY | corpus | dict(
-        max_iters=100, lr_decay_iters=100, checkpoint_dir=str(tmp_path / "ckpt"), tensorboard_dir=str(tmp_path / "tb")))),
-        tmp_path, tmp_path / "output.txt")
-    printed_until(proc, lambda output: "\nstep 3/" in output)
-    proc.send_signal(signal.SIGTERM)
-    code = proc.wait(timeout=60)
+    with Spawned([TRAINER, DEMO] + overrides(**(TINY | corpus | dict(
+            max_iters=100, lr_decay_iters=100, checkpoint_dir=str(tmp_path / "ckpt"),
+            tensorboard_dir=str(tmp_path / "tb")))), tmp_path, tmp_path / "output.txt") as proc:
+        running_until(proc, lambda: "\nstep 3/" in proc.printed())
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=60)
     output = proc.printed()
     assert code == 0, output
     saved = [n for n in os.listdir(tmp_path / "ckpt") if n.endswith(".pth")]
@@ -250,17 +250,16 @@ def test_kills_during_saves_leave_every_visible_checkpoint_loadable(corpus, tmp_
     rng = random.Random(0)
     for attempt in range(4):
         kind = ("full", "sharded")[attempt % 2]
-        proc = Spawned([TRAINER, DEMO] + overrides(**(TINY | corpus | dict(
-            max_iters=1000, lr_decay_iters=1000, save_interval=1, checkpoint_type=kind, eval_interval=1000,
-            resume_from="latest", checkpoint_dir=str(tmp_path / "ckpt"), tensorboard_dir=str(tmp_path / "tb")))),
-            tmp_path, tmp_path / f"attempt{attempt}.txt")
-        saved = len(ckpt_format.complete_checkpoints(str(tmp_path / "ckpt")))
-        deadline = time.time() + 120
-        while len(ckpt_format.complete_checkpoints(str(tmp_path / "ckpt"))) == saved and time.time() < deadline:
-            time.sleep(0.05)  # until this launch has saved once: past start-up, into a save per step
-        time.sleep(rng.uniform(0.0, 1.5))
-        proc.kill()
-        proc.wait()
+        with Spawned([TRAINER, DEMO] + overrides(**(TINY | corpus | dict(
+                max_iters=1000, lr_decay_iters=1000, save_interval=1, checkpoint_type=kind, eval_interval=1000,
+                resume_from="latest", checkpoint_dir=str(tmp_path / "ckpt"), tensorboard_dir=str(tmp_path / "tb")))),
+                tmp_path, tmp_path / f"attempt{attempt}.txt") as proc:
+            saved = len(ckpt_format.complete_checkpoints(str(tmp_path / "ckpt")))
+            # until this launch has saved once: past start-up, into a save per step
+            running_until(proc, lambda: len(ckpt_format.complete_checkpoints(str(tmp_path / "ckpt"))) > saved)
+            time.sleep(rng.uniform(0.0, 1.5))
+            proc.kill()
+            assert proc.wait() == -signal.SIGKILL, proc.printed()[-3000:]  # killed mid-run, not ended
         directory = str(tmp_path / "ckpt")
         for name in os.listdir(directory):
             if m := ckpt_format.FULL_RE.fullmatch(name):
@@ -302,12 +301,12 @@ def test_resume_refuses_a_folder_with_newer_checkpoints_and_prune_keeps_new_save
 
 def test_sigterm_during_start_up_stops_after_the_first_step(corpus, tmp_path):
     """The handler is in place before data preparation and the model build; the stop saves and skips eval."""
-    proc = Spawned([TRAINER, DEMO] + overrides(**(TINY | corpus | dict(
-        max_iters=100, lr_decay_iters=100, checkpoint_dir=str(tmp_path / "ckpt"), tensorboard_dir=str(tmp_path / "tb")))),
-        tmp_path, tmp_path / "output.txt")
-    printed_until(proc, lambda output: "\n" in output)  # the first line, printed before the model is built
-    proc.send_signal(signal.SIGTERM)
-    code = proc.wait(timeout=120)
+    with Spawned([TRAINER, DEMO] + overrides(**(TINY | corpus | dict(
+            max_iters=100, lr_decay_iters=100, checkpoint_dir=str(tmp_path / "ckpt"),
+            tensorboard_dir=str(tmp_path / "tb")))), tmp_path, tmp_path / "output.txt") as proc:
+        running_until(proc, lambda: "\n" in proc.printed())  # the first line, printed before the model is built
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=120)
     output = proc.printed()
     assert code == 0, output
     assert "SIGTERM: stopped after step 1 with its checkpoint saved" in output

@@ -21,7 +21,8 @@ import subprocess
 import pytest
 import yaml
 
-from conftest import ROOT, TINY, ZYGOTE, overrides, zygote_python
+from conftest import ROOT, TINY, overrides, zygote_python
+from launching import ZYGOTE
 from fsdp_gpt import compat
 from fsdp_gpt.data.prepare import prepare_data
 

@@ -1,5 +1,6 @@
 """Runs that go wrong (docs/reliability.md): a rank that stops, deadlocks or blocks costs a bound and
 names itself; one run per checkpoint folder; a full disk during a save; Ctrl-C; a lost node."""
+import contextlib
 import json
 import os
 import signal
@@ -14,7 +15,7 @@ import torch
 
 from fsdp_gpt.checkpoint import run_lock
 from conftest import (DEMO, RESTARTED, ROOT, TINY, Spawned, figures, free_port, launch, overrides, run_env, run_trainer,
-                      scalars)
+                      scalars, trainer_cmd)
 from fsdp_gpt.config import TrainConfig, UserError
 from fsdp_gpt.resilience.watchdog import Watchdog
 
@@ -222,12 +223,11 @@ def interrupted(tmp_path, nproc: int, presses: int) -> tuple[int, str, float]:
                            tensorboard_dir=str(tmp_path / "tb"))
     argv, hang = [PROBE, DEMO] + overrides(**settings), dict(HANG="slow", HANG_RANK="0", HANG_STEP="3")
     log = tmp_path / "output.txt"
-    with open(log, "w") as out:
+    with contextlib.ExitStack() as stack:
         if nproc == 1:
-            proc = Spawned(argv, tmp_path, log, env=hang)
+            proc = stack.enter_context(Spawned(argv, tmp_path, log, env=hang))
         else:
-            proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                     f"--nproc_per_node={nproc}"] + argv, cwd=tmp_path, stdout=out,
+            proc = subprocess.Popen(trainer_cmd(nproc)[:-1] + argv, cwd=tmp_path, stdout=stack.enter_context(open(log, "w")),
                                     stderr=subprocess.STDOUT, env=run_env(hang))
         deadline = time.time() + 120
         while 4 not in figures(str(tmp_path / "tb"), "train/loss") and time.time() < deadline:
@@ -237,7 +237,9 @@ def interrupted(tmp_path, nproc: int, presses: int) -> tuple[int, str, float]:
             proc.send_signal(signal.SIGINT)
             time.sleep(0.2)
         code = proc.wait(timeout=60)
-    time.sleep(0.5)  # workers that outlive their agent would still be running now
+    # torchrun's workers that outlive their agent would still be running now (the one process has
+    # ended: wait() saw it, and a zygote's fork is not named after its script)
+    time.sleep(0.5)
     assert not [line for line in subprocess.run(["pgrep", "-af", PROBE], capture_output=True, text=True).stdout.splitlines()
                 if str(tmp_path) in line], "workers outlived the launch"
     return code, log.read_text(), time.monotonic() - pressed

@@ -21,7 +21,8 @@ from fsdp_gpt.optim import muon
 from fsdp_gpt.distributed import precision
 import train_fsdp
 from fsdp_gpt.config_parse import parse_args
-from conftest import DEMO, ROOT, TRAINER, run_env, run_in_zygote, zygote_python
+import conftest
+from conftest import DEMO, ROOT, TRAINER, zygote_python
 from fsdp_gpt.data.prepare import prepare_data
 from fsdp_gpt.evaluation.val_loss import val_loss_sums
 from fsdp_gpt.checkpoint.fsdp_ckpt import _placed, sharded_state
@@ -284,7 +285,7 @@ def test_multiple_choice_forwards_run_eager_under_compiled_blocks():
 
 def test_srun_without_torchrun_is_refused(tmp_path):
     env = {"RANK": None, "WORLD_SIZE": None, "SLURM_NTASKS": "8", "SLURM_PROCID": "3"}
-    result = run_in_zygote([TRAINER, DEMO], str(tmp_path), run_env(env), 1, timeout=120)
+    result = conftest.launch([TRAINER, DEMO], tmp_path, env=env, timeout=120)  # not the launch module imported above
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "error: started as 8 SLURM tasks without torchrun: start one task per node that runs torchrun "

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (DEMO, ROOT, RUN, TINY, assert_quiet, evaluated, free_port, launcher_once, overrides, scalars,
+from conftest import (DEMO, ROOT, RUN, TINY, TRAINER, assert_quiet, evaluated, free_port, launcher_once, overrides, scalars,
                       shared, stderr_of, torchrun_forking_workers)
 
 pytestmark = pytest.mark.slow
@@ -123,7 +123,7 @@ def launch_two_nodes(tmp_path, settings: dict) -> list[tuple[int, str, str]]:
         (tmp_path / f"node{node_rank}").mkdir(exist_ok=True)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node_rank}",
                "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={port}", *forking,
-               os.path.join(ROOT, "train_fsdp.py"), DEMO] + overrides(**settings)
+               TRAINER, DEMO] + overrides(**settings)
         nodes.append(subprocess.Popen(cmd, cwd=tmp_path / f"node{node_rank}", text=True, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, env=dict(os.environ, OMP_NUM_THREADS="1", **env)))
     return [(node.returncode, *output) for node, output in zip(nodes, [n.communicate(timeout=300) for n in nodes])]
@@ -190,7 +190,8 @@ def test_sharded_checkpoints_on_node_local_disks(two_nodes, corpus, tmp_path):
     assert "error:" not in outputs[1][2]
 
 
-# torchrun as train_slurm.sh calls it (its options, then the script), its workers forked from the tests' zygote
+# torchrun as train_slurm.sh calls it (its options, each one word as --key=value, then the script), its
+# workers forked from the tests' zygote
 FORKING_TORCHRUN = """#!/bin/bash
 options=()
 while [[ $1 == --* ]]; do options+=("$1"); shift; done

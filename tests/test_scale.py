@@ -46,7 +46,7 @@ def test_activation_checkpointing_lowers_peak_memory_at_long_blocks(corpus, tmp_
     model = dict(n_layer=8, n_head=4, n_embd=128)
     without = largest_peak_gb(tmp_path / "without", 1, corpus, **common, **model) - baseline
     with_ac = largest_peak_gb(tmp_path / "with", 1, corpus, **common, **model, activation_checkpointing=True) - baseline
-    assert without > 0.1  # 8 blocks' activations of 4 x 512 tokens
+    assert without > 0.06  # 8 blocks' activations of 4 x 512 tokens: 0.124 GB, above the peaks' ~0.01 GB of noise
     assert with_ac < 0.6 * without, (with_ac, without)
 
 

@@ -1,23 +1,29 @@
 """A launcher for the tests that starts ranks without importing torch again for each of them.
 
-Importing torch, FSDP and DCP is ~2.2 CPU-seconds per process, about three quarters of a tiny
-test run's cost. This server imports them once (nothing else: no thread, no collective, no CUDA),
-then serves launches: for each request it forks a launcher, which forks one process per rank with
-the environment torchrun would give it (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
-MASTER_ADDR, MASTER_PORT), all ranks writing to one stdout and one stderr as under torchrun, and
-runs the script as `python script.py args` would. When a rank fails, the others get a few seconds
-to notice, then are stopped, as torchrun's agent does. What torchrun itself does (restarts,
-rendezvous across launches) is tested with torchrun; conftest.run_trainer uses this otherwise.
+Importing torch, FSDP, DCP and the trainer is ~6 CPU-seconds per process, most of a tiny test run's
+cost. This server imports them once (nothing else: no thread, no collective, no CUDA), then serves
+launches: for each request it forks a launcher, which forks one process per rank with the
+environment torchrun would give it (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT), all ranks writing to one stdout and one stderr as under torchrun (the client's own,
+passed with the request, or captured and sent back), and runs the script as `python script.py args`
+would. When a rank fails, the others get a few seconds to notice, then are stopped, as torchrun's
+agent does; when the client is gone, at once. What torchrun does to its workers (restarts, a stopped
+or killed worker) is tested with torchrun's own; conftest.run_trainer uses this otherwise.
 
-    python tests/zygote.py SOCKET_PATH                        # serve: one JSON request per connection
-    python tests/zygote.py --run SOCKET_PATH NPROC SCRIPT ARGS  # a client, as `python SCRIPT ARGS` would be
-                                                                # (test_docs.py's python and torchrun)
+A request is one JSON line, the client's stdout and stderr attached or not; the launcher answers with
+a line of the ranks' pids, then, when they have ended, a line of the reply.
+
+    python tests/zygote.py SOCKET_PATH                          # serve
+    python tests/zygote.py --run SOCKET_PATH NPROC SCRIPT ARGS  # a client that is `python SCRIPT ARGS`:
+        # the ranks print into its stdout and stderr, get its SIGTERM and SIGINT, die with it, and it
+        # exits as they do (tests/zygote_python: test_docs.py's python and torchrun, torchrun's workers)
 """
 import contextlib
 import gc
 import json
 import os
 import runpy
+import select
 import signal
 import socket
 import sys
@@ -32,6 +38,8 @@ def run_rank(request: dict, rank: int, out_fd: int, err_fd: int) -> None:
     """In a forked process: become rank `rank` of the request's run, then run its script."""
     os.dup2(out_fd, 1)
     os.dup2(err_fd, 2)
+    for fd in {out_fd, err_fd} - {1, 2}:
+        os.close(fd)
     nproc = request["nproc"]
     env = request["env"] | ({} if nproc == 1 else dict(
         RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nproc),
@@ -48,30 +56,37 @@ def run_rank(request: dict, rank: int, out_fd: int, err_fd: int) -> None:
         code = 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    except BaseException:  # noqa: BLE001 - printed as the interpreter would, exit 1
+    except BaseException as e:  # noqa: BLE001 - printed as the interpreter would, exit 1
         import traceback
         traceback.print_exc()
         code = 1
+        if isinstance(e, KeyboardInterrupt):  # python then ends by the SIGINT itself
+            sys.stderr.flush()
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
 
 
-def launch(request: dict, started=lambda pids: None) -> dict:
-    """Fork the ranks (`started` told their pids), wait for them (stopping the others a few seconds
-    after one fails), and return what they printed and the exit code torchrun (or python, for one
-    rank) would give. A request's `output` file takes stdout and stderr as they are written instead."""
+def launch(request: dict, fds: list[int], started, client_gone, connection: int) -> dict:
+    """Fork the ranks (`started` told their pids), wait for them, and return the exit code torchrun
+    (or python, for one rank) would give, with what they printed unless they printed into the
+    client's own `fds` (stdout, stderr). The other ranks are stopped a few seconds after one fails,
+    as torchrun's agent does, and at once when the client is gone, as a killed agent's workers die.
+    The ranks don't keep the launcher's `connection` open."""
     with contextlib.ExitStack() as files:
-        if request.get("output"):
-            out = err = files.enter_context(open(request["output"], "wb"))
-        else:
-            out, err = (files.enter_context(tempfile.TemporaryFile()) for _ in "12")
+        captured = [] if fds else [files.enter_context(tempfile.TemporaryFile()) for _ in range(2)]
+        out, err = fds or [f.fileno() for f in captured]
         pids = []
         for rank in range(request["nproc"]):
             pid = os.fork()
             if pid == 0:
-                run_rank(request, rank, out.fileno(), err.fileno())
+                os.close(connection)
+                run_rank(request, rank, out, err)
             pids.append(pid)
+        for fd in fds:
+            os.close(fd)  # the ranks hold them: the client's reader sees its end when theirs comes
         started(pids)
         codes, deadline, failed_at = {}, time.time() + request["timeout"], None
         while len(codes) < len(pids):
@@ -82,7 +97,7 @@ def launch(request: dict, started=lambda pids: None) -> dict:
                     failed_at = time.time()
                 continue
             now = time.time()
-            if now > deadline or (failed_at is not None and now > failed_at + 5):
+            if now > deadline or (failed_at is not None and now > failed_at + 5) or client_gone():
                 for p in pids:
                     if p not in codes:
                         os.kill(p, signal.SIGKILL)
@@ -91,49 +106,60 @@ def launch(request: dict, started=lambda pids: None) -> dict:
         ordered = [codes[p] for p in pids]
         failures = [c for c in ordered if c != 0]
         code = ordered[0] if len(pids) == 1 else (1 if failures else 0)
-        printed = ["", ""]
-        if not request.get("output"):
-            for f in (out, err):
-                f.seek(0)
-            printed = [f.read().decode(errors="replace") for f in (out, err)]
+        for f in captured:
+            f.seek(0)
+        printed = [f.read().decode(errors="replace") for f in captured] or ["", ""]
         return {"returncode": code, "stdout": printed[0], "stderr": printed[1], "timed_out": timed_out}
 
 
 def request(path: str, argv: list[str], cwd: str, env: dict, nproc: int, port: int, timeout: float) -> dict:
-    """Send one launch to the zygote at `path` and wait for its reply."""
+    """Send one launch to the zygote at `path` and wait for its reply (what the ranks printed in it)."""
     with Launched(path, argv, cwd, env, nproc, port, timeout) as launched:
         return launched.reply()
 
 
 class Launched:
     """A launch sent to the zygote at `path`: its ranks' pids at once (to signal them), its reply
-    when they end. With an `output` file, the ranks print into it as they go."""
+    when they end. Given `fds` (stdout, stderr), the ranks print into them as they go."""
 
     def __init__(self, path: str, argv: list[str], cwd: str, env: dict, nproc: int, port: int, timeout: float,
-                 output: str | None = None):
+                 fds: tuple[int, int] | tuple = ()):
         self.connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.connection.connect(path)
-        self.stream = self.connection.makefile("rwb")
-        self.stream.write(json.dumps(dict(argv=[os.path.abspath(argv[0])] + argv[1:], cwd=cwd, env=env, nproc=nproc,
-                                          port=port, timeout=timeout, output=output)).encode() + b"\n")
-        self.stream.flush()
-        self.pids = json.loads(self.stream.readline())["pids"]
+        message = json.dumps(dict(argv=[os.path.abspath(argv[0])] + argv[1:], cwd=cwd, env=env, nproc=nproc,
+                                  port=port, timeout=timeout)).encode() + b"\n"
+        socket.send_fds(self.connection, [message], list(fds))
+        # unbuffered where the reply is short (nothing printed in it): what select() says of the socket
+        # is then all there is to read, no line read ahead into a buffer
+        self.replies = self.connection.makefile("rb", buffering=0 if fds else -1)
+        self.pids = json.loads(self.replies.readline())["pids"]
 
     def reply(self) -> dict:
-        return json.loads(self.stream.readline())
+        return json.loads(self.replies.readline())
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
-        self.stream.close()
+        self.replies.close()
         self.connection.close()
+
+
+def received(connection: socket.socket) -> tuple[dict, list[int]]:
+    """A request line and the file descriptors sent with it (none, or the client's stdout and stderr)."""
+    data, fds, _, _ = socket.recv_fds(connection, 1 << 16, 2)
+    while data and not data.endswith(b"\n"):
+        more = connection.recv(1 << 16)
+        if not more:
+            break
+        data += more
+    return json.loads(data), fds
 
 
 def serve(path: str) -> None:
     global torch
     sys.path.insert(0, ROOT)
-    if os.environ.get("WITHOUT_TORCHAO"):
+    if os.environ.get("WITHOUT_TORCHAO") == "1":
         from without_torchao import hide_torchao
         hide_torchao()
     import train_fsdp  # noqa: F401 - the imports every rank needs, done once here
@@ -157,11 +183,7 @@ def serve(path: str) -> None:
         connection, _ = server.accept()
         if os.fork() == 0:  # the launcher: one per request, so requests may overlap
             server.close()
-            with connection, connection.makefile("rwb") as stream:
-                def send(message):
-                    stream.write(json.dumps(message).encode() + b"\n")
-                    stream.flush()
-                send(launch(json.loads(stream.readline()), started=lambda pids: send({"pids": pids})))
+            serve_one(connection)
             os._exit(0)
         connection.close()
         while True:  # reap finished launchers
@@ -172,14 +194,47 @@ def serve(path: str) -> None:
                 break
 
 
+def serve_one(connection: socket.socket) -> None:
+    """The launcher of one request: its pids, then its reply, each a line, to a client that may be gone."""
+    def send(message: dict) -> None:
+        with contextlib.suppress(OSError):
+            connection.sendall(json.dumps(message).encode() + b"\n")
+
+    def client_gone() -> bool:  # its end of the connection closed: it has ended
+        return bool(select.select([connection], [], [], 0)[0]) and connection.recv(1, socket.MSG_PEEK) == b""
+    request, fds = received(connection)
+    send(launch(request, fds, started=lambda pids: send({"pids": pids}), client_gone=client_gone,
+                connection=connection.fileno()))
+    connection.close()
+
+
 def client(path: str, nproc: int, argv: list[str]) -> int:
+    """The ranks of `python SCRIPT ARGS` as this process: they print into its stdout and stderr, get the
+    SIGTERM and SIGINT it gets (torchrun's agent stops its workers so), die with it, and it ends as they do."""
     with socket.socket() as s:  # a free port for the ranks' rendezvous
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    reply = request(path, argv, os.getcwd(), dict(os.environ), nproc, port, timeout=600)
-    sys.stdout.write(reply["stdout"])
-    sys.stderr.write(reply["stderr"])
-    return 124 if reply["timed_out"] else reply["returncode"]
+    pids, early = [], []  # the ranks', and the signals that came before they were known
+
+    def forward(signum, _frame):
+        if not pids:
+            early.append(signum)
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+    for signum in (signal.SIGTERM, signal.SIGINT):  # before the launch: a rank may print at once
+        signal.signal(signum, forward)
+    launched = Launched(path, argv, os.getcwd(), dict(os.environ), nproc, port, timeout=600, fds=(1, 2))
+    pids.extend(launched.pids)
+    for signum in early:
+        forward(signum, None)
+    reply = launched.reply()
+    if reply["timed_out"]:
+        return 124
+    if reply["returncode"] < 0:  # a rank's death by a signal: this process's too, as python's exit status says
+        signal.signal(-reply["returncode"], signal.SIG_DFL)
+        os.kill(os.getpid(), -reply["returncode"])
+    return reply["returncode"]
 
 
 if __name__ == "__main__":
