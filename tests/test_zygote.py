@@ -11,7 +11,11 @@ import pytest
 
 from conftest import zygote_python
 
+# python's own dispositions, set here: a shell that starts the suite in the background (`&`) has its
+# children ignore SIGINT, which python then keeps
 SCRIPT = """import os, signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)
+signal.signal(signal.SIGTERM, signal.SIG_DFL)
 if sys.argv[1] == "handles":
     signal.signal(signal.SIGTERM, lambda *_: (print("SIGTERM handled", flush=True), os._exit(3)))
 print(os.getpid(), flush=True)
