@@ -6,13 +6,13 @@ import os
 import select
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import zygote
+from zygote import free_port  # noqa: F401 - the tests' name for it
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAINER = os.path.join(ROOT, "train_fsdp.py")
@@ -23,12 +23,6 @@ def trainer_cmd(nproc: int) -> list[str]:
         return [sys.executable, TRAINER]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
             TRAINER]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 _zygote = {}

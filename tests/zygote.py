@@ -69,12 +69,28 @@ def run_rank(request: dict, rank: int, out_fd: int, err_fd: int) -> None:
     os._exit(code)
 
 
-def launch(request: dict, fds: list[int], started, client_gone, connection: int) -> dict:
-    """Fork the ranks (`started` told their pids), wait for them, and return the exit code torchrun
-    (or python, for one rank) would give, with what they printed unless they printed into the
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def send(connection: socket.socket, message: dict) -> None:
+    """A line to the client, which may be gone."""
+    with contextlib.suppress(OSError):
+        connection.sendall(json.dumps(message).encode() + b"\n")
+
+
+def gone(connection: socket.socket) -> bool:
+    """Whether the client closed its end: it has ended."""
+    return bool(select.select([connection], [], [], 0)[0]) and connection.recv(1, socket.MSG_PEEK) == b""
+
+
+def launch(request: dict, fds: list[int], connection: socket.socket) -> dict:
+    """Fork the ranks (their pids sent to the client at once), wait for them, and return the exit code
+    torchrun (or python, for one rank) would give, with what they printed unless they printed into the
     client's own `fds` (stdout, stderr). The other ranks are stopped a few seconds after one fails,
-    as torchrun's agent does, and at once when the client is gone, as a killed agent's workers die.
-    The ranks don't keep the launcher's `connection` open."""
+    as torchrun's agent does, and at once when the client is gone, as a killed agent's workers die."""
     with contextlib.ExitStack() as files:
         captured = [] if fds else [files.enter_context(tempfile.TemporaryFile()) for _ in range(2)]
         out, err = fds or [f.fileno() for f in captured]
@@ -82,12 +98,12 @@ def launch(request: dict, fds: list[int], started, client_gone, connection: int)
         for rank in range(request["nproc"]):
             pid = os.fork()
             if pid == 0:
-                os.close(connection)
+                connection.close()  # the client's end sees its close when the launcher's comes, not the ranks'
                 run_rank(request, rank, out, err)
             pids.append(pid)
         for fd in fds:
             os.close(fd)  # the ranks hold them: the client's reader sees its end when theirs comes
-        started(pids)
+        send(connection, {"pids": pids})
         codes, deadline, failed_at = {}, time.time() + request["timeout"], None
         while len(codes) < len(pids):
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -97,7 +113,7 @@ def launch(request: dict, fds: list[int], started, client_gone, connection: int)
                     failed_at = time.time()
                 continue
             now = time.time()
-            if now > deadline or (failed_at is not None and now > failed_at + 5) or client_gone():
+            if now > deadline or (failed_at is not None and now > failed_at + 5) or gone(connection):
                 for p in pids:
                     if p not in codes:
                         os.kill(p, signal.SIGKILL)
@@ -183,7 +199,8 @@ def serve(path: str) -> None:
         connection, _ = server.accept()
         if os.fork() == 0:  # the launcher: one per request, so requests may overlap
             server.close()
-            serve_one(connection)
+            request, fds = received(connection)
+            send(connection, launch(request, fds, connection))  # the pids, then the reply
             os._exit(0)
         connection.close()
         while True:  # reap finished launchers
@@ -194,26 +211,9 @@ def serve(path: str) -> None:
                 break
 
 
-def serve_one(connection: socket.socket) -> None:
-    """The launcher of one request: its pids, then its reply, each a line, to a client that may be gone."""
-    def send(message: dict) -> None:
-        with contextlib.suppress(OSError):
-            connection.sendall(json.dumps(message).encode() + b"\n")
-
-    def client_gone() -> bool:  # its end of the connection closed: it has ended
-        return bool(select.select([connection], [], [], 0)[0]) and connection.recv(1, socket.MSG_PEEK) == b""
-    request, fds = received(connection)
-    send(launch(request, fds, started=lambda pids: send({"pids": pids}), client_gone=client_gone,
-                connection=connection.fileno()))
-    connection.close()
-
-
 def client(path: str, nproc: int, argv: list[str]) -> int:
     """The ranks of `python SCRIPT ARGS` as this process: they print into its stdout and stderr, get the
     SIGTERM and SIGINT it gets (torchrun's agent stops its workers so), die with it, and it ends as they do."""
-    with socket.socket() as s:  # a free port for the ranks' rendezvous
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     pids, early = [], []  # the ranks', and the signals that came before they were known
 
     def forward(signum, _frame):
@@ -224,7 +224,7 @@ def client(path: str, nproc: int, argv: list[str]) -> int:
                 os.kill(pid, signum)
     for signum in (signal.SIGTERM, signal.SIGINT):  # before the launch: a rank may print at once
         signal.signal(signum, forward)
-    launched = Launched(path, argv, os.getcwd(), dict(os.environ), nproc, port, timeout=600, fds=(1, 2))
+    launched = Launched(path, argv, os.getcwd(), dict(os.environ), nproc, free_port(), timeout=600, fds=(1, 2))
     pids.extend(launched.pids)
     for signum in early:
         forward(signum, None)
