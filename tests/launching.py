@@ -2,6 +2,7 @@
 imported torch once, as torchrun would start ranks; or, where what is tested is the interpreter or
 torchrun's handling of its workers, as fresh processes."""
 import atexit
+import contextlib
 import os
 import select
 import shutil
@@ -118,8 +119,9 @@ class Spawned:
         return self.returncode
 
     def send_signal(self, signum: int) -> None:
-        if self.poll() is None:  # as Popen: nothing once it has ended
-            os.kill(self.pid, signum)
+        if self.poll() is None:  # as Popen: nothing once it has ended, or ended and not yet answered for
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signum)
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)

@@ -56,6 +56,8 @@ def run_rank(request: dict, rank: int, out_fd: int, err_fd: int) -> None:
         code = 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if code == 1 and not isinstance(e.code, int):  # sys.exit("message"): python prints it
+            print(e.code, file=sys.stderr)
     except BaseException as e:  # noqa: BLE001 - printed as the interpreter would, exit 1
         import traceback
         traceback.print_exc()
@@ -83,7 +85,10 @@ def send(connection: socket.socket, message: dict) -> None:
 
 def gone(connection: socket.socket) -> bool:
     """Whether the client closed its end: it has ended."""
-    return bool(select.select([connection], [], [], 0)[0]) and connection.recv(1, socket.MSG_PEEK) == b""
+    try:
+        return bool(select.select([connection], [], [], 0)[0]) and connection.recv(1, socket.MSG_PEEK) == b""
+    except OSError:  # ECONNRESET: a client killed before it read all that was sent to it
+        return True
 
 
 def launch(request: dict, fds: list[int], connection: socket.socket) -> dict:
