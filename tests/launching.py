@@ -43,7 +43,9 @@ def zygote_socket(read_once: tuple = ()) -> str:
     started on first use."""
     if read_once not in _zygote:
         path = os.path.join(tempfile.mkdtemp(prefix="zygote"), "socket")
-        process = subprocess.Popen([sys.executable, ZYGOTE, path], stdout=subprocess.PIPE, text=True,
+        # its stdin a pipe nothing writes to: its end of file, when this process ends however, ends the zygote
+        process = subprocess.Popen([sys.executable, ZYGOTE, path], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                   text=True,
                                    env=dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
                                             PYTHONUNBUFFERED="1", **dict(read_once)))
         assert process.stdout.readline().strip() == "ready"

@@ -90,3 +90,15 @@ def test_a_client_gone_with_its_lines_unread_leaves_no_rank(tmp_path):
     pid = int((tmp_path / "pid").read_text())
     client.close()  # the pids line unread
     assert ended(pid)
+
+
+def test_a_zygote_ends_with_the_test_process_that_started_it():
+    # killed outright (an xdist worker lost), its atexit never runs: the zygote, ~200 MB, must not stay
+    started = subprocess.run([sys.executable, "-c", "import os, signal, launching\n"
+                              "socket = launching.zygote_socket()\n"
+                              "print(launching._zygote[()][0].pid, socket, flush=True)\n"
+                              "os.kill(os.getpid(), signal.SIGKILL)"],
+                             cwd=os.path.dirname(__file__), capture_output=True, text=True, timeout=120)
+    pid, socket_path = started.stdout.split()
+    assert started.returncode == -signal.SIGKILL
+    assert ended(int(pid)) and not os.path.exists(os.path.dirname(socket_path))

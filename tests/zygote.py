@@ -24,6 +24,7 @@ import json
 import os
 import runpy
 import select
+import shutil
 import signal
 import socket
 import sys
@@ -201,9 +202,17 @@ def serve(path: str) -> None:
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     print("ready", flush=True)
     while True:
+        if sys.stdin in select.select([server, sys.stdin], [], [])[0]:  # nothing is written: its end of file
+            # the test process that started it has ended, however (killed, its atexit never run): a
+            # zygote outliving it would hold its imported torch, ~200 MB, for good
+            shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+            os._exit(0)
         connection, _ = server.accept()
         if os.fork() == 0:  # the launcher: one per request, so requests may overlap
             server.close()
+            devnull = os.open(os.devnull, os.O_RDONLY)  # the ranks' stdin, not the test process's pipe
+            os.dup2(devnull, 0)
+            os.close(devnull)
             request, fds = received(connection)
             send(connection, launch(request, fds, connection))  # the pids, then the reply
             os._exit(0)
