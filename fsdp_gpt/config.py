@@ -140,8 +140,8 @@ class TrainConfig(ModelKeys):
     save_interval: int = key(1000, "steps between checkpoints; one is also written after the last step")
     keep_last: int = key(0, "after each save, remove all but the newest N checkpoints up to it (0: keep all)")
     async_save: bool = key(False, "write checkpoints in a background thread while training goes on")
-    resume_from: str | None = key(None, "a checkpoint file, a rank file or {rank} pattern, or latest (none yet: "
-                                        "start fresh)")
+    resume_from: str | None = key(None, "a checkpoint file, a sharded set's rank file, {rank} pattern or .complete "
+                                        "marker, or latest (none yet: start fresh)")
     log_interval: int = key(10, "steps between console lines and train/ scalars")
     eval_interval: int = key(500, "steps between val/loss evaluations (also at step 0 and after the last)")
     eval_iters: int = key(20, "val/loss covers the first eval_iters x train_batch windows of val.bin")

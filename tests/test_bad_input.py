@@ -117,6 +117,9 @@ def one_line(code, capsys, *phrases):
     ({"data_source": None, "data_path": "no/such/folder"}, ["no prepared data in 'no/such/folder'"]),
     ({"mc_eval_path": "no/such/hellaswag_val.jsonl"}, ["multiple-choice file no/such/hellaswag_val.jsonl not found"]),
     ({"mc_eval_path": "[a, b]"}, ["'mc_eval_path'", "must be str or dict or null"]),
+    ({"resume_from": "."}, [". is a folder, not a checkpoint file", "--checkpoint_dir=. and --resume_from=latest"]),
+    ({"resume_from": "no/such/fsdp_sharded_cpt9_rank0.pth"},
+     ["sharded checkpoint of step 9 not found in no/such/ (neither its marker nor a rank's file)"]),
     # an unprepared data_path of its own: the session's corpus may be prepared already
     ({"data_source": "no/such/*.txt", "data_path": "unprepared"}, ["data_source 'no/such/*.txt' matches no file"]),
 ])
@@ -166,12 +169,21 @@ def copy_of(checkpoints, kind, tmp_path) -> str:
     return target
 
 
-def test_truncated_checkpoint(checkpoints, corpus, tmp_path):
+# cut to a few KB, torch's zip reader fails with an OSError (EINVAL), which is the file's, not the disk's
+@pytest.mark.parametrize("keep", [0.5, 5000])
+def test_truncated_checkpoint(keep, checkpoints, corpus, tmp_path):
     path = os.path.join(copy_of(checkpoints, "full", tmp_path), "fsdp_cpt6.pth")
     with open(path, "r+b") as f:
-        f.truncate(os.path.getsize(path) // 2)
+        f.truncate(int(os.path.getsize(path) * keep) if keep < 1 else keep)
     result = run_trainer(str(tmp_path), resume_from=path, check=False, **corpus)
     assert_one_line_error(result, path, "corrupt or truncated")
+
+
+def test_a_rank_file_renamed_is_no_full_checkpoint(checkpoints, corpus, tmp_path):
+    path = str(tmp_path / "renamed.pth")
+    shutil.copy(os.path.join(checkpoints["sharded"], "fsdp_sharded_cpt6_rank1.pth"), path)
+    result = run_trainer(str(tmp_path), resume_from=path, check=False, **corpus)
+    assert_one_line_error(result, path, "is rank 1's file of a sharded checkpoint of 2 ranks, not a full one")
 
 
 def test_garbage_checkpoint(corpus, tmp_path):

@@ -10,6 +10,7 @@ Sharded: fsdp_sharded_cpt{step}_rank{r}.pth, one per rank: each parameter's and 
 Nothing here needs a process group: sample.py, export_hf.py and consolidation read sets offline.
 """
 import errno
+import glob
 import os
 import re
 import shutil
@@ -133,17 +134,24 @@ def save_atomically(obj: dict, path: str) -> None:
 def read_verified(path: str, mmap: bool = False, checksum: bool = True) -> dict:
     """torch.load(weights_only=True), then (unless checksum is off: a look at the header, the tensors
     memory-mapped and unread) the checksum written with the file."""
+    if os.path.isdir(path):
+        raise UserError(f"{path} is a folder, not a checkpoint file: name a file in it, or set --checkpoint_dir={path} "
+                        f"and --resume_from=latest for its newest complete checkpoint")
     if not os.path.isfile(path):
         raise CorruptCheckpoint(f"checkpoint file not found: {path}")
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-    except OSError as e:  # the filesystem failed, not the file: an error, never "damaged, skip it"
-        raise UserError(f"could not read checkpoint {path}: {e}; check the filesystem and run again")
     except Exception as e:  # torch raises RuntimeError, UnpicklingError, EOFError... for damaged files
+        # and EINVAL for one cut short to a few KB (its zip reader seeks before the file's start); any
+        # other OSError is the filesystem failing, not the file: an error, never "damaged, skip it"
+        if isinstance(e, OSError) and e.errno != errno.EINVAL:
+            raise UserError(f"could not read checkpoint {path}: {e}; check the filesystem and run again")
         raise CorruptCheckpoint(f"checkpoint {path} is corrupt or truncated ({str(e).splitlines()[0][:120]}); "
-                        f"resume from an earlier checkpoint")
+                                f"resume from an earlier checkpoint")
     written = obj.pop("crc32", None) if isinstance(obj, dict) else None
-    if not isinstance(obj, dict) or (checksum and written != _crc32(obj)):
+    if written is None:  # every file this trainer writes carries one (save_atomically)
+        raise CorruptCheckpoint(f"{path} is not a checkpoint of this trainer: no checksum was written with it")
+    if checksum and written != _crc32(obj):
         raise CorruptCheckpoint(f"checkpoint {path} is corrupt: its checksum does not match its contents; "
                         f"resume from an earlier checkpoint")
     return obj
@@ -153,6 +161,16 @@ def load_file(path: str, mmap: bool = False, checksum: bool = True) -> dict:
     obj = read_verified(path, mmap, checksum)
     if not {"model", "optimizer", "step", "model_config"} <= obj.keys():
         raise CorruptCheckpoint(f"{path} is not a checkpoint of this trainer (needs model, optimizer, step, model_config)")
+    return obj
+
+
+def load_full(path: str, mmap: bool = False, checksum: bool = True) -> dict:
+    """A full checkpoint file, under whatever name: a rank's file of a sharded set, renamed, is not one."""
+    obj = load_file(path, mmap, checksum)
+    if "rank" in obj:
+        raise CorruptCheckpoint(
+            f"{path} is rank {obj['rank']}'s file of a sharded checkpoint of {obj['world_size']} ranks, not a full "
+            f"one: give it as fsdp_sharded_cpt{obj['step']}_rank{obj['rank']}.pth beside the set's other files")
     return obj
 
 
@@ -264,6 +282,9 @@ def read_marker(directory: str, step: int) -> dict:
     """The .complete marker of a sharded set: step, world_size and (since the index) index."""
     marker = marker_path(directory, step)
     if not os.path.isfile(marker):
+        if not glob.glob(os.path.join(glob.escape(directory), f"fsdp_sharded_cpt{step}_rank*.pth")):
+            raise CorruptCheckpoint(f"sharded checkpoint of step {step} not found in {directory}/ (neither its marker "
+                                    f"nor a rank's file)")
         raise CorruptCheckpoint(incomplete(directory, step))
     return read_verified(marker)
 
@@ -328,7 +349,7 @@ def read_model(path: str) -> tuple[dict, dict]:
     if match := SHARD_RE.search(os.path.basename(path)):
         files = read_sharded(os.path.dirname(path), int(match.group(1)))
         return files[0], _whole_model(files)
-    ckpt = load_file(path)
+    ckpt = load_full(path)
     return ckpt, ckpt["model"]
 
 

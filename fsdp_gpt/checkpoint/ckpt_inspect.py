@@ -16,8 +16,8 @@ import torch
 import yaml
 
 from fsdp_gpt.checkpoint.ckpt_format import (
-    FULL_RE, MARKER_RE, SHARD_RE, CorruptCheckpoint, full_path, marker_path, open_rank_files, read_marker,
-    read_verified, shard_path)
+    FULL_RE, MARKER_RE, SHARD_RE, CorruptCheckpoint, full_path, load_file, load_full, marker_path, open_rank_files,
+    read_marker, shard_path)
 from fsdp_gpt.checkpoint.ckpt_index import check_file, check_whole
 from fsdp_gpt.config import FIELDS, UserError
 from fsdp_gpt.model import GPT, GPTConfig
@@ -25,7 +25,7 @@ from fsdp_gpt.model import GPT, GPTConfig
 
 def _full(path: str, verify: bool) -> tuple[dict, str]:
     """(header, why it is complete) of a full file; CorruptCheckpoint where it is not."""
-    ckpt = read_verified(path, mmap=True, checksum=verify)
+    ckpt = load_full(path, mmap=True, checksum=verify)
     return ckpt, "yes: one file under its final name" + (", its checksum matches" if verify else "")
 
 
@@ -52,7 +52,7 @@ def _any_header(directory: str, step: int) -> dict | None:
     """The header of any readable rank file of an incomplete sharded set (None: none is)."""
     for path in sorted(glob.glob(os.path.join(directory, f"fsdp_sharded_cpt{step}_rank*.pth"))):
         try:
-            return read_verified(path, mmap=True, checksum=False)
+            return load_file(path, mmap=True, checksum=False)
         except CorruptCheckpoint:
             continue
     return None

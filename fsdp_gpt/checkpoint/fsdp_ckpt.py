@@ -17,8 +17,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.utils._pytree import tree_map_only
 
 from fsdp_gpt.checkpoint.ckpt_format import (
-    FULL_OPTIONS, LOAD_OPTIONS, SHARD_RE, CorruptCheckpoint, check_model_shape, complete_checkpoints, fill_local,
-    full_path, host_copy, incomplete, incomplete_sets, is_first_replica, load_file, marker_path, open_rank_files,
+    FULL_OPTIONS, LOAD_OPTIONS, MARKER_RE, SHARD_RE, CorruptCheckpoint, check_model_shape, complete_checkpoints, fill_local,
+    full_path, host_copy, incomplete, incomplete_sets, is_first_replica, load_full, marker_path, open_rank_files,
     piece_of, read_marker, read_sharded, rope_base_moves, save_atomically, shard_path, WriteFailed)
 from fsdp_gpt.checkpoint.ckpt_index import build_index, check_file, check_whole, files_to_open, layout, model_key, wanted_rows
 from fsdp_gpt.checkpoint.run_lock import RunLock
@@ -309,13 +309,13 @@ class CheckpointManager:
                     print(f"skipping an incomplete checkpoint: {incomplete(self.dir, step)}", flush=True)
 
     def _load(self, path: str, model, optimizer) -> int:
-        if match := SHARD_RE.search(os.path.basename(path)):
+        if match := SHARD_RE.search(os.path.basename(path)) or MARKER_RE.search(os.path.basename(path)):
             return self._load_sharded(os.path.dirname(path), int(match.group(1)), model, optimizer)
         return self._load_full(path, model, optimizer)
 
     def _load_full(self, path: str, model, optimizer) -> int:
         def read():
-            ckpt = load_file(path)
+            ckpt = load_full(path)
             self._check_shape(f"checkpoint {path}", ckpt["model_config"])
             return ckpt
         ckpt = agree(read if self.topo.is_main else dict)
@@ -370,8 +370,9 @@ class CheckpointManager:
             group = fsdp_replicas if isinstance(p, DTensor) else dist.group.WORLD
             if group is None:
                 continue  # every rank read its own slices
-            for t in [p] + [v for v in optimizer.state.get(p, {}).values() if v.dim()]:
-                dist.broadcast(local_slice(t)[0], group=group, group_src=0)
+            with torch.no_grad():  # into the parameter itself: under autograd, the next backward warned of it
+                for t in [p] + [v for v in optimizer.state.get(p, {}).values() if v.dim()]:
+                    dist.broadcast(local_slice(t)[0], group=group, group_src=0)
 
     @staticmethod
     def _read_marker(directory: str, step: int) -> dict:
