@@ -129,6 +129,17 @@ def test_bad_config(override, phrases, corpus, tmp_path, monkeypatch, capsys):
     one_line(train_in_process([DEMO] + overrides(**(TINY | corpus | override)), tmp_path, monkeypatch), capsys, *phrases)
 
 
+
+def test_a_finished_run_lets_go_of_its_folder(corpus, tmp_path, monkeypatch):
+    """In one process (a notebook, a loop of one's own), a run that ended holds its folder no more: the
+    next run takes it at once, not refused as a live run's (its pid is this process's, alive)."""
+    argv = [DEMO] + overrides(**(TINY | corpus | dict(max_iters=2, save_interval=2, eval_interval=100,
+                                                       checkpoint_dir="ckpt", tensorboard_dir="tb")))
+    assert train_in_process(argv, tmp_path, monkeypatch) == 0
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["fsdp_cpt2.pth"]  # no run.lock
+    assert train_in_process(argv + ["--resume_from=latest", "--max_iters=3"], tmp_path, monkeypatch) == 0
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["fsdp_cpt2.pth", "fsdp_cpt3.pth"]
+
 DATA_DAMAGES = {  # what a damaged data folder holds -> what the one line says
     "meta.json empty": (lambda d: (d / "meta.json").write_text(""), ["meta.json is not JSON", "prepare the data again"]),
     "meta.json cut short": (lambda d: (d / "meta.json").write_text('{"tokenizer": "bytes", "dty'), ["meta.json is not JSON"]),

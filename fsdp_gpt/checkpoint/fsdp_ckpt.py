@@ -85,7 +85,8 @@ class CheckpointManager:
         writes = topo.is_main or cfg.checkpoint_type == "sharded"
         agree(lambda: os.makedirs(self.dir, exist_ok=True) if writes else None)
         # one run per folder: rank 0 holds it before anything in it is read or written
-        note = agree(lambda: RunLock(self.dir).acquire() if topo.is_main else None)
+        self._lock = RunLock(self.dir) if topo.is_main else None
+        note = agree(lambda: self._lock.acquire() if self._lock else None)
         if note:
             print(f"note: {note}", flush=True)
         if cfg.async_save:  # a run that fails before the next wait() still lands the write in flight
@@ -234,6 +235,8 @@ class CheckpointManager:
         exist nowhere else)."""
         self.wait()
         dist.barrier()
+        if self._lock:  # the run is done with its folder: another may use it, in this process too
+            self._lock.release()
         if self.failed:
             raise RunStopped(f"{self.failed}: the run's last save failed. Last good checkpoint: "
                              f"{self.last_saved or 'none'} (--resume_from=latest continues from it)")

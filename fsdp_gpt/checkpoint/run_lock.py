@@ -48,7 +48,9 @@ def _pid_alive(pid: int) -> bool:
 
 class RunLock:
     def __init__(self, directory: str, renew_every: float = RENEW_EVERY, stale_after: float = STALE_AFTER):
-        self.path, self.renew_every, self.stale_after = os.path.join(directory, NAME), renew_every, stale_after
+        # absolute: the renewing thread keeps to this folder whatever the process's working directory becomes
+        self.path = os.path.abspath(os.path.join(directory, NAME))
+        self.renew_every, self.stale_after = renew_every, stale_after
         run = os.environ.get("TORCHELASTIC_RUN_ID", "")
         self.me = {"host": socket.gethostname(), "pid": os.getpid(), "token": uuid.uuid4().hex,
                    "since": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
