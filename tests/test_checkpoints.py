@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -148,8 +149,7 @@ def test_the_inspector_says_what_a_checkpoint_holds(two_rank_runs, corpus, tmp_p
     renamed, foreign, short = (str(tmp_path / name) for name in ("renamed.pth", "foreign.pth", "short.pth"))
     shutil.copy(ckpt_format.shard_path(sharded, 6, 1), renamed)
     torch.save({"step": 6, "model": {}}, foreign)
-    with open(checkpoint_of(two_rank_runs["full"], "full", 3), "rb") as f:
-        open(short, "wb").write(f.read(5000))
+    Path(short).write_bytes(Path(checkpoint_of(two_rank_runs["full"], "full", 3)).read_bytes()[:5000])
     for path, why in [(renamed, f"{renamed} is rank 1's file of a sharded checkpoint of 2 ranks, not a full one: give it "
                                 f"as fsdp_sharded_cpt6_rank1.pth beside the set's other files"),
                       (foreign, f"{foreign} is not a checkpoint of this trainer: no checksum was written with it"),

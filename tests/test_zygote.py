@@ -1,7 +1,6 @@
 """The tests' launcher (tests/zygote.py) stands in for python: a script run through tests/zygote_python
 prints as it goes, gets the SIGTERM and SIGINT its launcher gets, dies with it, and ends as python
 would, so torchrun's workers and the docs' commands can be forks of the zygote."""
-import json
 import os
 import signal
 import socket
@@ -11,6 +10,7 @@ import time
 
 import pytest
 
+import zygote
 from conftest import zygote_python
 
 # python's own dispositions, set here: a shell that starts the suite in the background (`&`) has its
@@ -82,8 +82,7 @@ def test_a_client_gone_with_its_lines_unread_leaves_no_rank(tmp_path):
                       "os.replace('pid.part', 'pid')\ntime.sleep(60)\n")
     client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     client.connect(zygote_python()["ZYGOTE_SOCKET"])
-    client.sendall(json.dumps(dict(argv=[str(script)], cwd=str(tmp_path), env=dict(os.environ), nproc=1, port=0,
-                                   timeout=60)).encode() + b"\n")
+    client.sendall(zygote.request_line([str(script)], str(tmp_path), dict(os.environ), nproc=1, port=0, timeout=60))
     deadline = time.time() + 30
     while not (tmp_path / "pid").exists() and time.time() < deadline:
         time.sleep(0.05)

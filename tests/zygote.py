@@ -140,6 +140,12 @@ def request(path: str, argv: list[str], cwd: str, env: dict, nproc: int, port: i
         return launched.reply()
 
 
+def request_line(argv: list[str], cwd: str, env: dict, nproc: int, port: int, timeout: float) -> bytes:
+    """A launch as the zygote reads it: one JSON line."""
+    return json.dumps(dict(argv=[os.path.abspath(argv[0])] + argv[1:], cwd=cwd, env=env, nproc=nproc, port=port,
+                           timeout=timeout)).encode() + b"\n"
+
+
 class Launched:
     """A launch sent to the zygote at `path`: its ranks' pids at once (to signal them), its reply
     when they end. Given `fds` (stdout, stderr), the ranks print into them as they go."""
@@ -148,9 +154,7 @@ class Launched:
                  fds: tuple[int, int] | tuple = ()):
         self.connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.connection.connect(path)
-        message = json.dumps(dict(argv=[os.path.abspath(argv[0])] + argv[1:], cwd=cwd, env=env, nproc=nproc,
-                                  port=port, timeout=timeout)).encode() + b"\n"
-        socket.send_fds(self.connection, [message], list(fds))
+        socket.send_fds(self.connection, [request_line(argv, cwd, env, nproc, port, timeout)], list(fds))
         # unbuffered where the reply is short (nothing printed in it): what select() says of the socket
         # is then all there is to read, no line read ahead into a buffer
         self.replies = self.connection.makefile("rb", buffering=0 if fds else -1)

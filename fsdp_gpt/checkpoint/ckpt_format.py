@@ -47,6 +47,14 @@ def marker_path(directory: str, step: int) -> str:
     return os.path.join(directory, f"fsdp_sharded_cpt{step}.complete")
 
 
+def sharded_step(path: str) -> int | None:
+    """The step of the sharded set a path names (any rank's file, the {rank} pattern or the marker);
+    None where it names no sharded set."""
+    name = os.path.basename(path)
+    match = SHARD_RE.search(name) or MARKER_RE.search(name)
+    return int(match.group(1)) if match else None
+
+
 class CorruptCheckpoint(UserError):
     """A checkpoint that is damaged or incomplete (as opposed to one that doesn't fit)."""
 

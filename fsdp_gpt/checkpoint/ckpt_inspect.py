@@ -17,7 +17,7 @@ import yaml
 
 from fsdp_gpt.checkpoint.ckpt_format import (
     FULL_RE, MARKER_RE, SHARD_RE, CorruptCheckpoint, full_path, load_file, load_full, marker_path, open_rank_files,
-    read_marker, shard_path)
+    read_marker, shard_path, sharded_step)
 from fsdp_gpt.checkpoint.ckpt_index import check_file, check_whole
 from fsdp_gpt.config import FIELDS, UserError
 from fsdp_gpt.model import GPT, GPTConfig
@@ -179,15 +179,14 @@ def inspect(path: str, verify: bool = False) -> tuple[str, bool]:
         name = full_path(path, step) if kind == "full" else shard_path(path, step, 0)
         return "\n".join(lines + [f"the newest complete, {name} (what --resume_from=latest takes):"] +
                          _report(read, kind)), True
-    sharded = SHARD_RE.search(os.path.basename(path)) or MARKER_RE.search(os.path.basename(path))
-    if not sharded and not path.endswith(".pth"):
+    step = sharded_step(path)
+    if step is None and not path.endswith(".pth"):
         raise UserError(f"{path} is not named as a checkpoint (a .pth file, fsdp_sharded_cpt{{step}}_rank{{r}}.pth "
                         f"or its .complete marker), nor a folder")
     if not os.path.exists(path) and "{rank}" not in path:
         raise UserError(f"{path} not found")
-    kind = "sharded" if sharded else "full"  # a full file under any name: the one given, read as it is
-    read = read_checkpoint(os.path.dirname(path) or ".", int(sharded.group(1)) if sharded else None, kind, verify,
-                           path=None if sharded else path)
+    kind = "full" if step is None else "sharded"  # a full file under any name: the one given, read as it is
+    read = read_checkpoint(os.path.dirname(path) or ".", step, kind, verify, path=path if step is None else None)
     return "\n".join([f"{path}:"] + _report(read, kind)), read[1]
 
 

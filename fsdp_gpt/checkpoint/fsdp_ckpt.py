@@ -17,9 +17,9 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.utils._pytree import tree_map_only
 
 from fsdp_gpt.checkpoint.ckpt_format import (
-    FULL_OPTIONS, LOAD_OPTIONS, MARKER_RE, SHARD_RE, CorruptCheckpoint, check_model_shape, complete_checkpoints, fill_local,
+    FULL_OPTIONS, LOAD_OPTIONS, SHARD_RE, CorruptCheckpoint, check_model_shape, complete_checkpoints, fill_local,
     full_path, host_copy, incomplete, incomplete_sets, is_first_replica, load_full, marker_path, open_rank_files,
-    piece_of, read_marker, read_sharded, rope_base_moves, save_atomically, shard_path, WriteFailed)
+    piece_of, read_marker, read_sharded, rope_base_moves, save_atomically, shard_path, sharded_step, WriteFailed)
 from fsdp_gpt.checkpoint.ckpt_index import build_index, check_file, check_whole, files_to_open, layout, model_key, wanted_rows
 from fsdp_gpt.checkpoint.run_lock import RunLock
 from fsdp_gpt.checkpoint.run_state import header
@@ -312,8 +312,8 @@ class CheckpointManager:
                     print(f"skipping an incomplete checkpoint: {incomplete(self.dir, step)}", flush=True)
 
     def _load(self, path: str, model, optimizer) -> int:
-        if match := SHARD_RE.search(os.path.basename(path)) or MARKER_RE.search(os.path.basename(path)):
-            return self._load_sharded(os.path.dirname(path), int(match.group(1)), model, optimizer)
+        if (step := sharded_step(path)) is not None:
+            return self._load_sharded(os.path.dirname(path), step, model, optimizer)
         return self._load_full(path, model, optimizer)
 
     def _load_full(self, path: str, model, optimizer) -> int:
@@ -360,6 +360,7 @@ class CheckpointManager:
         self._send_to_replicas(names, optimizer)
         return step
 
+    @torch.no_grad()  # into the parameters themselves: under autograd, the next backward warned of it
     def _send_to_replicas(self, names: dict, optimizer) -> None:
         """The rank that read a slice sends it to the ranks that hold it too, in one order on every rank:
         parameters in model order, each followed by its optimizer tensors. A whole tensor (DDP's, and
@@ -373,9 +374,8 @@ class CheckpointManager:
             group = fsdp_replicas if isinstance(p, DTensor) else dist.group.WORLD
             if group is None:
                 continue  # every rank read its own slices
-            with torch.no_grad():  # into the parameter itself: under autograd, the next backward warned of it
-                for t in [p] + [v for v in optimizer.state.get(p, {}).values() if v.dim()]:
-                    dist.broadcast(local_slice(t)[0], group=group, group_src=0)
+            for t in [p] + [v for v in optimizer.state.get(p, {}).values() if v.dim()]:
+                dist.broadcast(local_slice(t)[0], group=group, group_src=0)
 
     @staticmethod
     def _read_marker(directory: str, step: int) -> dict:
