@@ -25,7 +25,8 @@ import conftest
 from conftest import DEMO, ROOT, TRAINER, zygote_python
 from fsdp_gpt.data.prepare import prepare_data
 from fsdp_gpt.evaluation.val_loss import val_loss_sums
-from fsdp_gpt.checkpoint.fsdp_ckpt import _placed, sharded_state
+from fsdp_gpt.checkpoint.ckpt_restore import _placed
+from fsdp_gpt.checkpoint.fsdp_ckpt import sharded_state
 from fsdp_gpt.distributed.launch import Topology, backend_for, wrapping
 from fsdp_gpt.data.loader import BatchLoader
 from fsdp_gpt.evaluation.mc_eval import Item, mc_sums
