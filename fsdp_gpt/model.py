@@ -152,7 +152,8 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 idx: torch.Tensor | None = None, docs: Documents | None = None) -> torch.Tensor:
         B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(self.qkv_widths, dim=2)
+        qkv = self.c_attn(x)
+        q, k, v = qkv.split(self.qkv_widths, dim=2)
         if hasattr(self, "value_embed"):
             v = self.value_mix[0] * v + self.value_mix[1] * self.value_embed(idx)
         q, k = self.qk_normed(q, k, "projection")  # OLMo 2's: the whole of each, before the heads split
@@ -162,6 +163,9 @@ class CausalSelfAttention(nn.Module):
         q, k = self.qk_normed(q, k, "head")  # Qwen3's and Gemma 3's: each head's
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        # in c_attn's dtype, all three: under autocast the value embedding (no autocast op) and, on CUDA, the qk
+        # norms (fp32 ops there) come out in fp32, and flash's varlen call and the GQA test take one dtype
+        q, k, v = (t.to(qkv.dtype) for t in (q, k, v))
         grouped = self.n_kv_head != self.n_head
         if grouped and not sdpa_takes_gqa(q):  # a key/value head per query head: memory-efficient kernels run
             k, v = (t.repeat_interleave(self.n_head // self.n_kv_head, dim=1) for t in (k, v))

@@ -105,3 +105,20 @@ def test_under_autocast_the_residual_stream_is_in_its_dtype():
     seen.clear()
     model(idx, idx)
     assert seen == [(torch.float32, torch.float32)] * 2
+
+
+def test_under_autocast_attention_takes_q_k_v_in_one_dtype():
+    """The value embedding is no autocast op (its rows come out fp32) and CUDA's autocast runs the qk
+    norms in fp32: the core still gets q, k and v all in c_attn's bf16, as flash's varlen call needs."""
+    model = GPT(GPTConfig(arch="llama", vocab_size=64, block_size=8, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
+                          qk_norm=True, value_embeds=2))
+    seen = []
+    for block in model.blocks:
+        core = block.attn.core
+        block.attn.core = lambda q, k, v, *rest, core=core: seen.append((q.dtype, k.dtype, v.dtype)) or core(
+            q, k, v, *rest)
+        block.attn.ln_q.register_forward_hook(lambda module, args, out: out.float())  # as CUDA's fp32 norm returns
+    idx = torch.randint(0, 64, (2, 8))
+    with torch.autocast("cpu", torch.bfloat16):
+        model(idx, idx)
+    assert seen == [(torch.bfloat16,) * 3] * 2

@@ -77,8 +77,6 @@ def _to_tokens(y: torch.Tensor, group, cp: int) -> torch.Tensor:
 def _to_heads(tensors: tuple[torch.Tensor, ...], group, cp: int) -> list[torch.Tensor]:
     """Each t (B, heads_t, T/cp, D) of my tokens -> (B, heads_t/cp, T, D): my heads of every rank's
     tokens, all in one all-to-all (one collective a layer for q, k and v, not three; backward likewise)."""
-    if len({t.dtype for t in tensors}) > 1:  # autocast can leave some in fp32 beside bf16 ones (v mixed
-        return [_to_heads((t,), group, cp)[0] for t in tensors]  # with value embeddings): each sent as it is
     heads = [t.shape[1] // cp for t in tensors]
     # (cp, B, sum of heads/cp, T/cp, D): row j holds rank j's heads of every tensor
     pieces = torch.cat([t.unflatten(1, (cp, -1)).transpose(0, 1) for t in tensors], dim=2)
