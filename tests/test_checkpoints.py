@@ -309,7 +309,9 @@ def test_resume_refuses_a_folder_with_newer_checkpoints_and_prune_keeps_new_save
     assert (f"error: {directory}/ holds checkpoints of steps 6, newer than the resumed step 4: move them out of "
             f"{directory}/ or set --checkpoint_dir to a new folder") in result.stderr
     # a fresh start in that folder, said at start-up: keep_last never deletes what this run wrote for older steps' sake
-    result = run_trainer(str(tmp_path), max_iters=2, save_interval=1, keep_last=1, **corpus)
+    # (the folder given with a slash at its end, as shells complete it: named once with its slash)
+    result = run_trainer(str(tmp_path), max_iters=2, save_interval=1, keep_last=1, checkpoint_dir=f"{directory}/",
+                         **corpus)
     assert (f"note: {directory}/ holds checkpoints of an earlier run (up to step 6): this run starts from scratch and "
             f"replaces those of the steps it saves; until it saves past them, --resume_from=latest would take the "
             f"newest of them") in result.stdout

@@ -61,7 +61,8 @@ def _write(writes: list, pending: dict) -> None:
 
 class CheckpointManager:
     def __init__(self, cfg, topo):
-        self.cfg, self.topo, self.dir = cfg, topo, cfg.checkpoint_dir
+        # without the slash a shell completes a folder with: the messages below add their own
+        self.cfg, self.topo, self.dir = cfg, topo, cfg.checkpoint_dir.rstrip("/") or "/"
         self.reader = CheckpointReader(cfg, topo)
         self._pending = None  # the save being written: step, paths, thread, error
         self.last_saved = None  # this rank's file of the newest finished save, or the one resumed from
