@@ -13,7 +13,8 @@ Time: a lent machine allows 10 minutes a command. The rows share GPU_CHECK_BUDGE
 510): each gets what is left, in the order below, and a row that no longer fits is shown as not
 run. GPU_CHECK_ROWS=name,name runs those rows alone. One markdown table, printed and written to $GPU_CHECK_DIR/table.md: per row what ran, tok/s,
 MFU (over the steps after the first log line, which holds start-up and compilation: 50 steps, lines every 25), the largest
-rank's peak memory, and pass or fail with the reason. Extra --key=value arguments go to every
+rank's peak memory, and pass or fail with the reason. GPU_CHECK_KEEP=DIR copies the table and the logs (one
+tar.gz) there: on a lent machine, $OUT/gpu_check (bring_back). Extra --key=value arguments go to every
 trainer run, last (tests/test_gpu_paths.py runs this at tiny size on CPU that way). The rows run under
 $PYTHON where it is set, else under this interpreter (python()).
 """
@@ -26,6 +27,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tarfile
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -293,6 +295,21 @@ def gpu_tests(check: Check) -> str:
         return f.read().strip().splitlines()[-1]
 
 
+def bring_back(folder: str, keep: str, names: tuple[str, ...]) -> None:
+    """What a lent machine's call returns (its device tool brings back at most 8 files of 16 MiB, 2
+    folders down, from $OUT): folder's named files, its logs in one logs.tar.gz, and up to 3 of its
+    traces (mfu.py's *.trace.json.gz, the oldest first) that are under 16 MiB each."""
+    os.makedirs(keep, exist_ok=True)
+    for name in names:
+        shutil.copy(os.path.join(folder, name), keep)
+    with tarfile.open(os.path.join(keep, "logs.tar.gz"), "w:gz") as tar:
+        for log in sorted(glob.glob(os.path.join(folder, "*.log"))):
+            tar.add(log, arcname=os.path.basename(log))
+    traces = sorted(glob.glob(os.path.join(folder, "*.trace.json.gz")), key=os.path.getmtime)
+    for trace in [t for t in traces if os.path.getsize(t) < 16 << 20][:3]:
+        shutil.copy(trace, keep)
+
+
 def machine() -> str:
     import torch
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
@@ -322,6 +339,8 @@ def main(extra: list[str]) -> int:
     print(text)
     with open(os.path.join(check.dir, "table.md"), "w") as f:
         f.write(text + "\n")
+    if keep := os.environ.get("GPU_CHECK_KEEP"):
+        bring_back(check.dir, keep, ("table.md",))
     failed = any(r["result"].startswith("fail") for r in results)
     return 1 if failed else 0
 

@@ -17,7 +17,8 @@ sharded save at 1B) are better spent on rows. MFU: tok/s x
 GPT.flops_per_token() / the GPU's dense bf16 peak (fsdp_gpt/distributed/peak_flops.py), as the console
 shows it. A row with `trace` (or named in --trace) also records two steps after the timed ones with
 torch.profiler and splits their GPU time (matmuls, attention, loss, optimizer, FSDP copies and
-collectives, other, idle); the trace is kept gzipped as {out}/{row}.trace.json.gz. The rows share --budget seconds; a row that no longer fits is shown as not run. Extra
+collectives, other, idle); the trace is kept gzipped as {out}/{row}.trace.json.gz. The rows share --budget seconds; a row that no longer fits is shown as not run.
+--keep DIR copies the table, the results, the logs (one tar.gz) and the traces there (a lent GPU: $OUT/mfu). Extra
 --key=value arguments go to every run, last (tests/test_mfu.py runs two rows at tiny size on CPU). Each
 row is a process of its own, under $PYTHON where it is set, else this interpreter (gpu_check.python).
 The fp8 rows need torchao: installed, or unpacked into .torchao/ at the checkout's root for a machine
@@ -38,7 +39,7 @@ from dataclasses import dataclass
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
-from gpu_check import failure, machine, python, run_logged  # noqa: E402
+from gpu_check import bring_back, failure, machine, python, run_logged  # noqa: E402
 
 # torchao unpacked into the checkout for a GPU machine without pip (docs/fp8.md#on-a-machine-without-pip)
 TORCHAO = os.path.join(ROOT, ".torchao")
@@ -49,16 +50,19 @@ BYTES = ["--data_path=data/stdlib_bytes", "--data_source=stdlib", "--tokenizer=b
          f"--eval_interval={STEPS}", "--eval_iters=1", "--save_interval=100000", "--sample_tokens=0",
          "--world_size=null", "--checkpoint_type=sharded", "--fsdp=true"]
 GPT2 = ["config/gpt2_124M.yaml", "--train_batch=64", "--micro_batch=32"]
+# what a user who writes FULL_SHARD for 124M gets (the config ships SHARD_GRAD_OP: gpt2_fsdp_once, shipped_gpt2_124M)
+GPT2_FSDP = GPT2 + ["--force_fsdp=true", "--sharding_strategy=FULL_SHARD"]
 LLAMA124 = ["config/llama_124M.yaml", "--vocab_size=50304", "--train_batch=64", "--micro_batch=32", "--compile=true"]
 LLAMA1B = ["config/llama_1B.yaml", "--train_batch=8", "--micro_batch=8"]
 
 
-def shipped_share(config: str) -> tuple[int, int]:
-    """(micro_batch, micro-steps) of one rank of the config's own launch (world_size), the micro-steps
-    at most 2: a row's step stays under a second. YAML and defaults as the trainer reads them (no torch)."""
+def shipped_share(config: str) -> tuple[int, int, int]:
+    """(micro_batch, micro-steps, vocabulary) of one rank of the config's own launch (world_size), the
+    micro-steps at most 2 (a row's step stays under a second), the vocabulary the config's or, where it
+    takes the data's (null), GPT-2's. YAML and defaults as the trainer reads them (no torch)."""
     from fsdp_gpt.config_parse import parse_args
     cfg = parse_args([os.path.join(ROOT, "config", f"{config}.yaml")])
-    return cfg.micro_batch, min(2, cfg.train_batch // (cfg.micro_batch * cfg.world_size))
+    return cfg.micro_batch, min(2, cfg.train_batch // (cfg.micro_batch * cfg.world_size)), cfg.vocab_size or 50304
 
 
 @dataclass
@@ -78,12 +82,12 @@ ROWS = [
         plain=True),
     Row("gpt2", "GPT-2 124M, train_fsdp.py, one process unwrapped, compiled (blocks and the chunked loss), "
         "micro_batch 32 x 2", GPT2, "gpt2_ref", trace=True),
-    Row("gpt2_fsdp", "gpt2, force_fsdp (FULL_SHARD, units as auto lays them out: 4 of 3 blocks each at 32 x 1,024 "
-        "tokens a micro-step)", GPT2 + ["--force_fsdp=true"], "gpt2"),
+    Row("gpt2_fsdp", "gpt2, force_fsdp with FULL_SHARD (units as auto lays them out: 4 of 3 blocks each at 32 x "
+        "1,024 tokens a micro-step)", GPT2_FSDP, "gpt2"),
     Row("gpt2_fsdp_per_block", "gpt2_fsdp a unit a block (round seven's layout: 0.774x gpt2)",
-        GPT2 + ["--force_fsdp=true", "--fsdp_blocks_per_unit=1"], "gpt2_fsdp"),
+        GPT2_FSDP + ["--fsdp_blocks_per_unit=1"], "gpt2_fsdp"),
     Row("gpt2_fsdp_prefetch", "gpt2_fsdp with fsdp_prefetch 2 (gathers issued two blocks ahead)",
-        GPT2 + ["--force_fsdp=true", "--fsdp_prefetch=2"], "gpt2_fsdp"),
+        GPT2_FSDP + ["--fsdp_prefetch=2"], "gpt2_fsdp"),
     Row("gpt2_fsdp_once", "gpt2, force_fsdp with SHARD_GRAD_OP: gathered once a step",
         GPT2 + ["--force_fsdp=true", "--sharding_strategy=SHARD_GRAD_OP"], "gpt2"),
     Row("gpt2_logits_loss", "gpt2 with the loss before loss.py: [B, T, V] logits, then cross-entropy", GPT2,
@@ -112,7 +116,7 @@ ROWS = [
     Row("llama1b_fp8_rowwise", "llama1b with fp8 rowwise, auto (the 16 c_fc)", LLAMA1B + ["--fp8=rowwise"], "llama1b"),
     Row("gpt2_fp8", "gpt2 with fp8 tensorwise, auto (c_attn and c_fc, 24 of 48)", GPT2 + ["--fp8=tensorwise"], "gpt2"),
     Row("gpt2_fsdp_fp8", "gpt2_fsdp with fp8 tensorwise, auto: the converted weights all-gathered in FP8",
-        GPT2 + ["--force_fsdp=true", "--fp8=tensorwise"], "gpt2_fsdp"),
+        GPT2_FSDP + ["--fp8=tensorwise"], "gpt2_fsdp"),
     Row("gpt2_micro16", "gpt2, micro_batch 16 x 4", GPT2 + ["--micro_batch=16"], "gpt2_ref"),
     Row("gpt2_micro64", "gpt2, micro_batch 64 x 1", GPT2 + ["--micro_batch=64"], "gpt2_ref"),
     Row("gpt2_blocks_only", "gpt2, compile of the blocks only (the loss's chunks eager)", GPT2, "gpt2_ref",
@@ -120,15 +124,15 @@ ROWS = [
     Row("gpt2_cudnn", "gpt2, SDPA on cuDNN's attention instead of flash", GPT2, "gpt2_ref", variant="cudnn"),
     Row("gpt2_cudagraphs", "gpt2, the blocks compiled in mode reduce-overhead: replayed as CUDA graphs", GPT2,
         "gpt2", variant="cudagraphs"),
-    Row("gpt2_muon", "gpt2 with Muon (the blocks' matrices) beside AdamW", GPT2 + ["--optimizer=muon"], "gpt2_ref"),
+    Row("gpt2_muon", "gpt2 with Muon (the blocks' matrices) beside AdamW", GPT2 + ["--optimizer=muon"], "gpt2"),
     Row("gpt2_autotune", "gpt2, compile_mode max-autotune-no-cudagraphs",
         GPT2 + ["--compile_mode=max-autotune-no-cudagraphs"], "gpt2_ref"),
     # the 8-GPU configs as shipped (their micro_batch, strategy, compile, activation checkpointing) on
     # one GPU wrapped as a cluster wraps them (force_fsdp), one rank's micro-steps: the figures their
     # comments give
     *(Row(f"shipped_{name}", f"config/{name}.yaml as shipped, FSDP on one GPU, {steps} micro-batch(es) of {micro}",
-          [f"config/{name}.yaml", "--vocab_size=50304", f"--train_batch={steps * micro}", "--force_fsdp=true"])
-      for name, (micro, steps) in ((name, shipped_share(name)) for name in
+          [f"config/{name}.yaml", f"--vocab_size={vocab}", f"--train_batch={steps * micro}", "--force_fsdp=true"])
+      for name, (micro, steps, vocab) in ((name, shipped_share(name)) for name in
                                    ("gpt2_124M", "llama_124M", "recipe_124M", "train90M_fsdp", "train300M_fsdp", "llama_1B"))),
 ]
 
@@ -366,6 +370,7 @@ def main() -> int:
                         help="seconds for all rows together")
     parser.add_argument("--out", default=os.environ.get("MFU_DIR", os.path.join(ROOT, "bench", "runs", "mfu")))
     parser.add_argument("--trace", default="", help="comma-separated rows to trace besides those that always do")
+    parser.add_argument("--keep", help="a folder to copy the table, results, logs and traces to (a lent GPU: $OUT/mfu)")
     parser.add_argument("--list", action="store_true")
     args, extra = parser.parse_known_args()
     if args.list or not args.rows:
@@ -395,6 +400,8 @@ def main() -> int:
         f.write(text + "\n")
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
+    if args.keep:
+        bring_back(args.out, args.keep, ("table.md", "results.json"))
     return 1 if any(r["result"].startswith("fail") for r in results) else 0
 
 

@@ -4,6 +4,7 @@ dtype under FSDP, grouped-query attention without the math kernel, MFU's GPU tab
 without torchrun."""
 import os
 import subprocess
+import tarfile
 import types
 
 import pytest
@@ -297,14 +298,16 @@ def test_srun_without_torchrun_is_refused(tmp_path):
 def test_gpu_check_runs_as_is_and_writes_one_table(corpus, tmp_path):
     """bench/gpu_check.sh end to end at tiny size on the CPU (compile off: the plumbing, not the
     compiler, is what is checked here): every one-device row passes (the resume's first step
-    bitwise), the 2-GPU rows say why they did not run, the machine line ends the table."""
+    bitwise), the 2-GPU rows say why they did not run, the machine line ends the table; the table and
+    the logs are copied where a lent machine's call brings files back from (GPU_CHECK_KEEP)."""
     # the byte vocabulary, not the rows' 50,304: its head in bf16 on a CPU took 1 s a step, most of a row's time
     tiny = [f"--{k}={v}" for k, v in dict(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=256,
                                            train_batch=8, micro_batch=4, max_iters=4, warmup_iters=1, lr_decay_iters=4,
                                            log_interval=1, eval_interval=4, eval_iters=1, save_interval=2,
                                            compile="false", **corpus).items()]
     result = subprocess.run(["bash", os.path.join(ROOT, "bench", "gpu_check.sh"), *tiny], capture_output=True,
-                            text=True, timeout=600, env=dict(os.environ, GPU_CHECK_DIR=str(tmp_path), **zygote_python()))
+                            text=True, timeout=600, env=dict(os.environ, GPU_CHECK_DIR=str(tmp_path),
+                                                             GPU_CHECK_KEEP=str(tmp_path / "back"), **zygote_python()))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     table = (tmp_path / "table.md").read_text().splitlines()
     assert table[:2] == ["| run | what it runs | tok/s | MFU | peak memory, GB | result |",
@@ -318,3 +321,6 @@ def test_gpu_check_runs_as_is_and_writes_one_table(corpus, tmp_path):
     assert "resumed from" in (tmp_path / "fsdp_resume.log").read_text()
     assert table[-1].endswith(f"no GPU, 0 GPU(s), torch {torch.__version__}, CUDA {torch.version.cuda}. GPU tests: "
                               f"not run: torch sees no GPU")
+    assert sorted(os.listdir(tmp_path / "back")) == ["logs.tar.gz", "table.md"]
+    with tarfile.open(tmp_path / "back" / "logs.tar.gz") as logs:
+        assert {"fsdp_bf16.log", "fsdp_resume.log", "ring_1gpu.log"} <= set(logs.getnames())

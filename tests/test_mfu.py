@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 
 import pytest
 import torch
@@ -30,8 +31,8 @@ def bench_mfu(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_rows_run_and_are_tabled_against_the_plain_loop(corpus, tmp_path):
-    result = bench_mfu("--rows", "gpt2_ref,gpt2,gpt2_logits_loss", "--out", str(tmp_path),
-                       *overrides(**TINY_ROW, **corpus))
+    result = bench_mfu("--rows", "gpt2_ref,gpt2,gpt2_logits_loss", "--out", str(tmp_path), "--keep",
+                       str(tmp_path / "back"), *overrides(**TINY_ROW, **corpus))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     results = {r["row"]: r for r in json.loads((tmp_path / "results.json").read_text())}
     assert [r["result"] for r in results.values()] == ["pass"] * 3
@@ -42,6 +43,10 @@ def test_rows_run_and_are_tabled_against_the_plain_loop(corpus, tmp_path):
     assert "whole model compiled" in table and "n/a" in table  # MFU needs a GPU's peak
     # the trace row recorded its three steps after the timed ones (no GPU kernels in it here)
     assert os.listdir(tmp_path / "gpt2" / "tb" / "profile")
+    # what a lent GPU's call brings back from $OUT: the table, the results and every row's log
+    assert sorted(os.listdir(tmp_path / "back")) == ["logs.tar.gz", "results.json", "table.md"]
+    with tarfile.open(tmp_path / "back" / "logs.tar.gz") as logs:
+        assert sorted(logs.getnames()) == ["gpt2.log", "gpt2_logits_loss.log", "gpt2_ref.log"]
 
 
 def test_a_trace_splits_into_kinds_and_idle_time(tmp_path):
@@ -57,6 +62,18 @@ def test_a_trace_splits_into_kinds_and_idle_time(tmp_path):
     assert top[0] == ("nvjet_sm90_tst_256x128_gemm", 0.01)
     (tmp_path / "cpu.json").write_text(json.dumps({"traceEvents": events[-1:]}))
     assert split_trace(str(tmp_path / "cpu.json")) is None
+
+
+def test_rows_run_what_their_names_say():
+    """Parsed as the trainer parses them: the FSDP rows of GPT-2 FULL_SHARD (the config ships SHARD_GRAD_OP,
+    the row its own), the shipped rows each config's own vocabulary where it sets one."""
+    from fsdp_gpt.config_parse import parse_args
+    rows = {row.name: parse_args(row.args + mfu.BYTES) for row in mfu.ROWS if not row.plain}
+    for name in ("gpt2_fsdp", "gpt2_fsdp_per_block", "gpt2_fsdp_prefetch", "gpt2_fsdp_fp8", "llama1b_fsdp"):
+        assert (rows[name].force_fsdp, rows[name].sharding_strategy) == (True, "FULL_SHARD"), name
+    assert rows["gpt2_fsdp_once"].sharding_strategy == rows["shipped_gpt2_124M"].sharding_strategy == "SHARD_GRAD_OP"
+    assert (rows["shipped_llama_1B"].vocab_size, rows["shipped_gpt2_124M"].vocab_size) == (128256, 50304)
+    assert rows["shipped_recipe_124M"].vocab_size == 50304  # null in the config: the data's; GPT-2's here
 
 
 def test_each_fp8_row_is_its_bf16_row_with_fp8():
