@@ -317,7 +317,6 @@ def carried_torchao() -> str:
 
 
 def run_row(row: Row, folder: str, extra: list[str], left: float, trace: bool) -> dict:
-    os.makedirs(folder, exist_ok=True)
     log = os.path.join(folder, f"{row.name}.log")
     own = [f"--checkpoint_dir={folder}/{row.name}/ckpt", f"--tensorboard_dir={folder}/{row.name}/tb"]
     if trace:
@@ -385,6 +384,7 @@ def main() -> int:
     peak = gpu_peak_flops(torch.device("cuda"), torch.bfloat16) if torch.cuda.is_available() else None
     torchao = carried_torchao() if any("--fp8" in " ".join(row.args) for row in chosen) else ""
     print(machine(), torchao, flush=True)
+    os.makedirs(args.out, exist_ok=True)  # for the table, also where no row runs
     start, results = time.monotonic(), []
     for row in chosen:
         left = args.budget - (time.monotonic() - start)
