@@ -21,18 +21,24 @@ from fsdp_gpt.model import GPT, GPTConfig
 from fsdp_gpt.safetensors_file import read_safetensors
 
 
-def hf_config(cfg: GPTConfig, eot: int | None) -> dict:
-    """config.json's keys for our model; a model Hugging Face's class would compute differently
-    is refused, naming the key, rather than exported wrong."""
+def hf_refusal(cfg: GPTConfig) -> str | None:
+    """Where the family's Hugging Face class would compute another model than cfg's, the key and why;
+    None where it computes this one."""
     family = cfg.family
     for key, holds, why in family.hf_limits:
         if not holds(cfg):
-            raise UserError(f"{key}: {getattr(cfg, key)}: {family.hf_class} {why}, so an export would compute other "
-                            f"logits")
+            return f"{key}: {getattr(cfg, key)}: {family.hf_class} {why}"
     if cfg.mlp not in family.hf_mlps:
-        raise UserError(f"mlp: {cfg.mlp}: {family.hf_class} computes {' or '.join(family.hf_mlps)} MLPs only, so an "
-                        f"export would compute other logits")
-    return {"model_type": family.hf_model_type} | family.hf_config(cfg, eot)
+        return f"mlp: {cfg.mlp}: {family.hf_class} computes {' or '.join(family.hf_mlps)} MLPs only"
+    return None
+
+
+def hf_config(cfg: GPTConfig, eot: int | None) -> dict:
+    """config.json's keys for our model; a model Hugging Face's class would compute differently
+    is refused, naming the key, rather than exported wrong."""
+    if why := hf_refusal(cfg):
+        raise UserError(f"{why}, so an export would compute other logits")
+    return {"model_type": cfg.family.hf_model_type} | cfg.family.hf_config(cfg, eot)
 
 
 def their_name(family: Family, name: str) -> tuple[str | Rows | Absent, str | None]:
@@ -127,22 +133,30 @@ def hf_model_keys(folder: str) -> tuple[dict, int]:
     return keys, keys["block_size"]
 
 
-def define_model(cfg) -> None:
+def define_model(cfg) -> str | None:
     """init_from: the folder's config.json sets every model key of cfg. A key the config file or the
-    command line gave (cfg.given) that contradicts the folder is refused, naming both values; the
-    run's tokenizer is the folder's unless one is named; block_size stays the config's, up to what
-    the folder's positions allow. Then the checks that read the model's keys run (the config's others
-    were checked when it was read): a refusal that names a key the folder set says it is the folder's."""
+    command line gave (cfg.given) that contradicts the folder is refused, naming both values, but for
+    the context keys its family lets a resume change (Family.resumable: a window, RoPE's base or
+    scaling; no weight changes), which change as on a resume: the note returned says how. A key the
+    folder leaves unset is refused where the folder's class computes without it (a soft cap, value
+    embeddings: hf_refusal, the export's own test). The run's tokenizer is the folder's unless one is
+    named; block_size stays the config's, past the folder's positions only with a rotary layout (said
+    in the note). Then the checks that read the model's keys run (the config's others were checked
+    when it was read): a refusal that names a key the folder set says it is the folder's."""
     keys, longest = hf_model_keys(cfg.init_from)
+    family, changes = GPTConfig(**keys).family, []
     for key, value in keys.items():
         mine = getattr(cfg, key)
         if key in cfg.given and mine is not None and mine != value:
+            if key in family.resumable:
+                changes.append(f"{key} {value} -> {mine}")
+                continue
             raise UserError(f"init_from {cfg.init_from} has {key}={value} but the config sets {key}={mine}: drop "
-                            f"{key} from the config and the command line (the folder defines the model)")
+                            f"{key} from the config and the command line, or set --{key}={value} (the folder defines "
+                            f"the model)")
         setattr(cfg, key, value)
-    if cfg.block_size > longest:
-        raise UserError(f"block_size={cfg.block_size} exceeds what init_from {cfg.init_from} was built for "
-                        f"({longest} positions): set --block_size={longest} or less")
+    if cfg.block_size > longest:  # rotary: no weights per position (GPT-2's learned ones are a key above)
+        changes.append(f"block_size {cfg.block_size}, past the {longest} positions of its config.json")
     if "tokenizer" not in cfg.given and os.path.isfile(os.path.join(cfg.init_from, "tokenizer.json")):
         cfg.tokenizer = cfg.init_from
     try:
@@ -150,6 +164,11 @@ def define_model(cfg) -> None:
     except UserError as e:  # e.g. ep_size=3 must divide moe_experts=8 (init_from FOLDER sets moe_experts=8)
         named = ", ".join(f"{key}={getattr(cfg, key)}" for key in keys if re.search(rf"\b{key}\b", str(e)))
         raise UserError(f"{e} (init_from {cfg.init_from} sets {named})" if named else str(e)) from None
+    if why := hf_refusal(GPTConfig.of(cfg)):
+        raise UserError(f"init_from {cfg.init_from} holds a {family.hf_class}: {why}, so the run would train another "
+                        f"model than the folder's: drop {why.split(':')[0]} from the config and the command line")
+    return (f"the context changes from init_from {cfg.init_from}: {', '.join(changes)}; the weights are the "
+            f"folder's") if changes else None
 
 
 def _config_keys(folder: str) -> dict:

@@ -141,11 +141,6 @@ def test_the_folder_defines_the_model_and_its_tokenizer_feeds_the_run(qwen3_fold
     assert refused.returncode == 2
     assert (f"error: init_from {qwen3_folder} has n_layer=2 but the config sets n_layer=3: drop n_layer from the "
             f"config and the command line") in refused.stderr
-    too_long = run(tmp_path, config, init_from=qwen3_folder,
-                           **(SMALL | dict(block_size=512)))
-    assert too_long.returncode == 2
-    assert (f"error: block_size=512 exceeds what init_from {qwen3_folder} was built for (256 positions)"
-            in too_long.stderr)
     other = make_tokenizer(tmp_path / "other", vocab_size=400)
     mismatched = run(tmp_path, config, init_from=qwen3_folder,
                              **(SMALL | dict(tokenizer=other)))
@@ -196,6 +191,34 @@ def test_a_check_of_a_folders_key_runs_once_it_is_read_and_names_it(override, re
     with pytest.raises(UserError) as refused:
         define_model(cfg)
     assert str(refused.value) == refusal.format(qwen3_moe_folder)
+
+
+@pytest.mark.parametrize("override, said", [
+    # keys the folder leaves unset, where its class computes without them: refused before any work
+    ("--logit_softcap=15", "error: init_from {} holds a Qwen3ForCausalLM: logit_softcap: 15.0: Qwen3ForCausalLM has "
+                           "no logit soft cap, so the run would train another model than the folder's: drop "
+                           "logit_softcap from the config and the command line"),
+    ("--value_embeds=1", "error: init_from {} holds a Qwen3ForCausalLM: value_embeds: 1: Qwen3ForCausalLM has no value "
+                         "embeddings, so the run would train another"),
+    ("--mlp=relu2", "error: init_from {} holds a Qwen3ForCausalLM: mlp: relu2: Qwen3ForCausalLM computes swiglu MLPs "
+                    "only"),
+    # the context keys change as on a resume (no weights change), said in a note
+    ("--rope_theta=2000000", "note: the context changes from init_from {}: rope_theta 1000000.0 -> 2000000.0; the "
+                             "weights are the folder's"),
+    ("--block_size=512", "note: the context changes from init_from {}: block_size 512, past the 256 positions of its "
+                         "config.json; the weights are the folder's"),
+])
+def test_a_key_the_folder_leaves_unset_is_its_class_or_a_context_change(override, said, qwen3_folder):
+    from fsdp_gpt.config import UserError
+    from fsdp_gpt.config_parse import parse_args
+    from fsdp_gpt.hf_format import define_model
+    cfg = parse_args([os.path.join(ROOT, "config", "continue_hf.yaml"), f"--init_from={qwen3_folder}",
+                      "--block_size=64", override])
+    try:
+        got = f"note: {define_model(cfg)}"
+    except UserError as e:
+        got = f"error: {e}"
+    assert got.startswith(said.format(qwen3_folder)), got
 
 
 @pytest.mark.compat  # and on transformers 4.51 (CI's oldest venv)

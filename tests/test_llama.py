@@ -98,7 +98,7 @@ def test_init_from_refuses_a_folder_of_another_shape(corpus, tmp_path):
                          **(LLAMA | corpus | dict(n_embd=32)))
     assert result.returncode == 2
     assert (f"error: init_from {tmp_path / 'hf'} has n_embd=64 but the config sets n_embd=32: drop n_embd from the "
-            f"config and the command line (the folder defines the model)") in result.stderr
+            f"config and the command line, or set --n_embd=64 (the folder defines the model)") in result.stderr
 
 
 def test_checkpoints_written_before_arch_existed_still_load():
