@@ -14,7 +14,7 @@ from fsdp_gpt.config import exit_code
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("shard_file", help="any rank's file of a complete sharded set")
+    parser.add_argument("shard_file", help="any rank's file of a complete sharded set, or its .complete marker")
     parser.add_argument("out", help="the full checkpoint to write")
     args = parser.parse_args(argv)
     consolidate(args.shard_file, args.out)

@@ -28,7 +28,8 @@ from fsdp_gpt.evaluation.val_loss import val_loss_sums, val_losses
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("checkpoint", help="a full file, any rank's file of a sharded set, or a folder")
+    parser.add_argument("checkpoint",
+                        help="a full file, any rank's file of a sharded set or its .complete marker, or a folder")
     parser.add_argument("--data_path", help="a prepared dataset (default: the run's)")
     parser.add_argument("--eval_iters", type=int, help="default: the run's; windows = eval_iters * train_batch")
     parser.add_argument("--micro_batch", type=int, help="sequences per forward (default: the run's)")

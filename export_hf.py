@@ -3,9 +3,9 @@ class (fsdp_gpt/families.py: GPT2LMHeadModel, LlamaForCausalLM, ..., SmolLM3ForC
 
 python export_hf.py CHECKPOINT OUT_DIR [--dtype fp32|bf16] [--max_shard_size 5GB]
 
-CHECKPOINT: a full file, any rank's file of a sharded set, or a folder (its newest complete
+CHECKPOINT: a full file, any rank's file of a sharded set or its .complete marker, or a folder (its newest complete
 checkpoint). OUT_DIR gets config.json and the weights as safetensors (shards of at most
---max_shard_size with their index for large models), which
+--max_shard_size with their index for large models; an earlier export's weight files there go), which
 transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR) loads with model.GPT's logits, and the
 run's tokenizer: a Hugging Face tokenizer's files copied (its tokenizer_config.json in a form
 transformers 4.51 and 5.x both load, whichever wrote it), a tiktoken encoding or bytes converted
@@ -15,6 +15,7 @@ bf16 halves the folder (for serving and sharing) at bf16's rounding of every wei
 import argparse
 import json
 import os
+import re
 import sys
 
 import torch
@@ -28,6 +29,15 @@ from fsdp_gpt.hf_format import fused_like, hf_config, to_hf
 from fsdp_gpt.model import GPTConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+WEIGHT_FILES = re.compile(r"model(-\d+-of-\d+)?\.safetensors(\.index\.json)?")  # what save_pretrained writes
+
+
+def clear_weights(out_dir: str) -> None:
+    """An earlier export's weight files in out_dir go: save_pretrained leaves a shard set beside a
+    single file (or the reverse), and transformers and init_from would then each read another model."""
+    for name in os.listdir(out_dir) if os.path.isdir(out_dir) else []:
+        if WEIGHT_FILES.fullmatch(name):
+            os.remove(os.path.join(out_dir, name))
 
 
 def add_legacy_keys(path: str, keys: dict, dtype: str) -> None:
@@ -56,6 +66,7 @@ def export(checkpoint: str, out_dir: str, dtype: str = "fp32", max_shard_size: s
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(keys.pop("model_type"), **keys))
     model.load_state_dict(fused_like(to_hf(state, cfg), model.state_dict()))
     model.to(DTYPES[dtype]).config.torch_dtype = DTYPES[dtype]
+    clear_weights(out_dir)
     model.save_pretrained(out_dir, max_shard_size=max_shard_size)
     # a fresh dict: AutoConfig took `keys` and wrote into its rope_scaling
     add_legacy_keys(os.path.join(out_dir, "config.json"), hf_config(cfg, tokenizer.eot_token), dtype)
@@ -66,7 +77,8 @@ def export(checkpoint: str, out_dir: str, dtype: str = "fp32", max_shard_size: s
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("checkpoint", help="a full file, any rank's file of a sharded set, or a folder")
+    parser.add_argument("checkpoint",
+                        help="a full file, any rank's file of a sharded set or its .complete marker, or a folder")
     parser.add_argument("out_dir")
     parser.add_argument("--dtype", choices=DTYPES, default="fp32", help="fp32 (exact; default) or bf16 (half the size)")
     parser.add_argument("--max_shard_size", default="5GB", help="largest safetensors file (default 5GB)")

@@ -2,7 +2,7 @@
 
 python sample.py CHECKPOINT [--prompt TEXT] [--max_new_tokens N] [--temperature T] [--top_k K] [--seed S]
 
-CHECKPOINT: a full file, any rank's file of a sharded set, or a folder (its newest complete
+CHECKPOINT: a full file, any rank's file of a sharded set or its .complete marker, or a folder (its newest complete
 checkpoint). Text is encoded and decoded with the tokenizer the data was prepared with.
 """
 import argparse

@@ -81,7 +81,8 @@ def test_one_process_checkpoint_resumes_on_two_ranks(two_rank_runs, corpus, tmp_
 
 def test_consolidated_sharded_equals_full(two_rank_runs, tmp_path):
     out = str(tmp_path / "consolidated.pth")
-    tool("consolidate.py", checkpoint_of(two_rank_runs["sharded"], "sharded", 6), out)
+    marker = os.path.join(two_rank_runs["sharded"], "ckpt", "fsdp_sharded_cpt6.complete")
+    tool("consolidate.py", marker, out)  # the set by the name its save's line printed, as by any rank's file
     full = torch.load(checkpoint_of(two_rank_runs["full"], "full", 6), weights_only=True)
     merged = torch.load(out, weights_only=True)
     assert merged["model"].keys() == full["model"].keys()
@@ -96,6 +97,10 @@ def test_consolidated_sharded_equals_full(two_rank_runs, tmp_path):
     assert merged["world_size"] == full["world_size"] == 2 and merged["train_state"] == full["train_state"]
     report, complete = ckpt_inspect.inspect(out)  # under the name it was given, as a resume takes it
     assert complete and report.startswith(f"{out}:\n  step         6: the state after it")
+    # the tools that read a model (evaluate.py, sample.py, export_hf.py) take the marker alike
+    by_marker = ckpt_format.read_model(marker)[1]
+    assert by_marker.keys() == full["model"].keys()
+    assert all(torch.equal(by_marker[name], tensor) for name, tensor in full["model"].items())
 
 
 def test_the_inspector_says_what_a_checkpoint_holds(two_rank_runs, corpus, tmp_path, capsys):

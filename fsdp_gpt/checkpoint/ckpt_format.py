@@ -333,10 +333,10 @@ def _whole(pieces: list[dict]) -> torch.Tensor:
 
 def consolidate(shard_file: str, out_path: str) -> None:
     """Sharded checkpoint -> one full file, offline: as fsdp_cpt{step}.pth of the same step."""
-    match = SHARD_RE.search(os.path.basename(shard_file))
-    if not match:
-        raise UserError(f"{shard_file} is not named fsdp_sharded_cpt{{step}}_rank{{rank}}.pth")
-    files = read_sharded(os.path.dirname(shard_file), int(match.group(1)))
+    if (step := sharded_step(shard_file)) is None:
+        raise UserError(f"{shard_file} is not named as a sharded checkpoint (fsdp_sharded_cpt{{step}}_rank{{rank}}.pth or "
+                        f"its .complete marker)")
+    files = read_sharded(os.path.dirname(shard_file), step)
     first = files[0]
     state = {name: {key: _whole([f["optimizer"][name][key] for f in files]) if isinstance(value, dict) else value
                     for key, value in saved.items()} for name, saved in first["optimizer"].items()}
@@ -347,15 +347,15 @@ def consolidate(shard_file: str, out_path: str) -> None:
 
 def read_model(path: str) -> tuple[dict, dict]:
     """(checkpoint, full model state dict) in one process, no process group: from a full file,
-    any rank's file of a sharded set, or a folder (its newest complete checkpoint)."""
+    any rank's file of a sharded set or its marker, or a folder (its newest complete checkpoint)."""
     if os.path.isdir(path):
         found = sorted(complete_checkpoints(path), reverse=True)
         if not found:
             raise UserError(f"no complete checkpoint in {path}/")
         step, kind = found[0]
         path = full_path(path, step) if kind == "full" else shard_path(path, step, 0)
-    if match := SHARD_RE.search(os.path.basename(path)):
-        files = read_sharded(os.path.dirname(path), int(match.group(1)))
+    if (step := sharded_step(path)) is not None:
+        files = read_sharded(os.path.dirname(path), step)
         return files[0], _whole_model(files)
     ckpt = load_full(path)
     return ckpt, ckpt["model"]
