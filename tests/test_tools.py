@@ -161,3 +161,7 @@ def test_export_in_bf16_halves_the_folder_and_large_models_come_in_shards(two_ra
     assert all(torch.equal(bf16[k], fp32[k].bfloat16()) for k in fp32)
     size = {d: sum(f.stat().st_size for f in (tmp_path / d).glob("*.safetensors")) for d in ("fp32", "bf16")}
     assert 0.45 < size["bf16"] / size["fp32"] < 0.55
+    # a second export into that folder replaces the first's weights: no shard set left beside the one file,
+    # which transformers and init_from would each read as another model
+    tool("export_hf.py", checkpoint, tmp_path / "bf16")
+    assert sorted(f.name for f in (tmp_path / "bf16").glob("model*")) == ["model.safetensors"]
