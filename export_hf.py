@@ -62,14 +62,15 @@ def export(checkpoint: str, out_dir: str, dtype: str = "fp32", max_shard_size: s
     ckpt, state = read_model(checkpoint)
     cfg = GPTConfig(**ckpt["model_config"])
     tokenizer = get_tokenizer(ckpt["config"]["tokenizer"])
-    keys = hf_config(cfg, tokenizer.eot_token)
+    bos = getattr(tokenizer, "bos_token", None)  # a Hugging Face tokenizer's own (Gemma's <bos>), where it names one
+    keys = hf_config(cfg, tokenizer.eot_token, bos)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(keys.pop("model_type"), **keys))
     model.load_state_dict(fused_like(to_hf(state, cfg), model.state_dict()))
     model.to(DTYPES[dtype]).config.torch_dtype = DTYPES[dtype]
     clear_weights(out_dir)
     model.save_pretrained(out_dir, max_shard_size=max_shard_size)
     # a fresh dict: AutoConfig took `keys` and wrote into its rope_scaling
-    add_legacy_keys(os.path.join(out_dir, "config.json"), hf_config(cfg, tokenizer.eot_token), dtype)
+    add_legacy_keys(os.path.join(out_dir, "config.json"), hf_config(cfg, tokenizer.eot_token, bos), dtype)
     save_tokenizer(tokenizer, out_dir, cfg.block_size)
     print(f"wrote {out_dir}/ ({cfg.family.hf_class} in {dtype}, tokenizer files of '{ckpt['config']['tokenizer']}') "
           f"from {checkpoint}, step {ckpt['step']}")

@@ -33,12 +33,14 @@ def hf_refusal(cfg: GPTConfig) -> str | None:
     return None
 
 
-def hf_config(cfg: GPTConfig, eot: int | None) -> dict:
+def hf_config(cfg: GPTConfig, eot: int | None, bos: int | None = None) -> dict:
     """config.json's keys for our model; a model Hugging Face's class would compute differently
-    is refused, naming the key, rather than exported wrong."""
+    is refused, naming the key, rather than exported wrong. The beginning-of-text id is the
+    tokenizer's own where it names one (bos), else the end-of-text id."""
     if why := hf_refusal(cfg):
         raise UserError(f"{why}, so an export would compute other logits")
-    return {"model_type": cfg.family.hf_model_type} | cfg.family.hf_config(cfg, eot)
+    keys = {"model_type": cfg.family.hf_model_type} | cfg.family.hf_config(cfg, eot)
+    return keys | ({"bos_token_id": bos} if bos is not None and "bos_token_id" in keys else {})
 
 
 def their_name(family: Family, name: str) -> tuple[str | Rows | Absent, str | None]:

@@ -165,3 +165,21 @@ def test_export_in_bf16_halves_the_folder_and_large_models_come_in_shards(two_ra
     # which transformers and init_from would each read as another model
     tool("export_hf.py", checkpoint, tmp_path / "bf16")
     assert sorted(f.name for f in (tmp_path / "bf16").glob("model*")) == ["model.safetensors"]
+
+
+def test_an_export_names_the_tokenizers_own_beginning_of_text():
+    """A tokenizer whose bos_token is not its end-of-text (Gemma's <bos> 2 beside <eos> 1; here <|bos|>):
+    config.json's bos_token_id is the tokenizer's own; a tokenizer that names none (bytes, tiktoken's)
+    gives the end-of-text id to both, as before."""
+    from fsdp_gpt.data.tokenizer import HFTokenizer, get_tokenizer
+    from fsdp_gpt.hf_format import hf_config
+    from fsdp_gpt.model import GPTConfig
+    cfg = GPTConfig(arch="llama", vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32)
+    source = HFTokenizer(SAVED_BY_5)
+    ids = [source.tokenizer.token_to_id(token) for token in ("<|bos|>", "<|endoftext|>")]
+    assert ids[0] != ids[1] and (source.bos_token, source.eot_token) == tuple(ids)
+    keys = hf_config(cfg, source.eot_token, source.bos_token)
+    assert [keys["bos_token_id"], keys["eos_token_id"]] == ids
+    plain = get_tokenizer("bytes")
+    assert getattr(plain, "bos_token", None) is None
+    assert hf_config(cfg, plain.eot_token)["bos_token_id"] == plain.eot_token

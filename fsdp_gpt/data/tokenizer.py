@@ -35,7 +35,8 @@ def _token_text(value) -> str | None:
 class HFTokenizer:
     """A Hugging Face tokenizer.json. Documents are separated by the end-of-text token: the
     eos_token of tokenizer_config.json beside the file, else its bos_token (the same tokens the
-    model saw between documents); a tokenizer with neither is refused."""
+    model saw between documents); a tokenizer with neither is refused. Its bos_token's id, where it
+    names one (Gemma's <bos>, Llama 3's <|begin_of_text|>), is bos_token (None elsewhere): an export writes it."""
 
     def __init__(self, path: str):
         file = path if os.path.isfile(path) else os.path.join(path, "tokenizer.json")
@@ -51,13 +52,14 @@ class HFTokenizer:
             self.sha256 = hashlib.sha256(f.read()).hexdigest()
         self.name = os.path.abspath(path)
         self.n_vocab = self.tokenizer.get_vocab_size(with_added_tokens=True)
-        self.eot_token = self._end_of_text(os.path.join(os.path.dirname(file), "tokenizer_config.json"), file)
-
-    def _end_of_text(self, config_path: str, file: str) -> int:
-        config = {}
+        config_path, config = os.path.join(os.path.dirname(file), "tokenizer_config.json"), {}
         if os.path.isfile(config_path):
             config = read_json(config_path, "the tokenizer's folder is damaged: copy tokenizer_config.json from the "
                                             "model's original folder")
+        self.eot_token = self._end_of_text(config, file)
+        self.bos_token = self.tokenizer.token_to_id(_token_text(config.get("bos_token")) or "")
+
+    def _end_of_text(self, config: dict, file: str) -> int:
         for key in ("eos_token", "bos_token"):
             token = _token_text(config.get(key))
             if token is not None and self.tokenizer.token_to_id(token) is not None:
