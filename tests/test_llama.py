@@ -116,6 +116,12 @@ def test_checkpoints_written_before_arch_existed_still_load():
     validate(llama)
     with pytest.raises(UserError, match="checkpoint old.pth has arch=gpt2 but the config has arch=llama"):
         check_model_shape("checkpoint old.pth", old, llama)
+    # where init_from set the model, --arch=gpt2 would contradict the folder: the folder is what to change
+    llama.init_from = "hf_llama"
+    with pytest.raises(UserError) as refused:
+        check_model_shape("checkpoint old.pth", old, llama)
+    assert str(refused.value) == ("checkpoint old.pth has arch=gpt2 but init_from hf_llama defines arch=llama: give "
+                                  "the init_from the checkpoint's run started from")
 
 
 def damage_header(path, edit) -> None:

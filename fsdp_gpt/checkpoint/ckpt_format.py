@@ -182,7 +182,7 @@ def load_full(path: str, mmap: bool = False, checksum: bool = True) -> dict:
     return obj
 
 
-def check_model_shape(source: str, saved: dict, cfg, action: str = "resume it") -> dict[str, tuple]:
+def check_model_shape(source: str, saved: dict, cfg) -> dict[str, tuple]:
     """The model the config builds must be the one `source` holds (keys a checkpoint lacks,
     written before they existed, take their defaults: the GPT-2 layout), but for the keys its family
     lets a resume change (Family.resumable: RoPE holds no weights per position, so the same weights
@@ -196,10 +196,13 @@ def check_model_shape(source: str, saved: dict, cfg, action: str = "resume it") 
         if key in theirs.family.resumable and key in ours.family.resumable:
             changes[key] = (was, now)
             continue
+        if getattr(cfg, "init_from", None):  # the folder set the key: --key=was would contradict it
+            raise UserError(f"{source} has {key}={was} but init_from {cfg.init_from} defines {key}={now}: give the "
+                            f"init_from the checkpoint's run started from")
         resumable = [family.name for family in FAMILIES if key in family.resumable]
         why = f" (only {', '.join(resumable)} may change {key} on resume)" if resumable else ""
         raise UserError(f"{source} has {key}={was} but the config has {key}={now}: set --{key}={was} to "
-                        f"{action}{why}")
+                        f"resume it{why}")
     return changes
 
 
