@@ -21,15 +21,15 @@ from fsdp_gpt.model import GPT, GPTConfig
 from fsdp_gpt.safetensors_file import read_safetensors
 
 
-def hf_refusal(cfg: GPTConfig) -> str | None:
-    """Where the family's Hugging Face class would compute another model than cfg's, the key and why;
-    None where it computes this one."""
+def hf_refusal(cfg: GPTConfig) -> tuple[str, str] | None:
+    """Where the family's Hugging Face class would compute another model than cfg's, (the key, why it
+    can't, in words that name it); None where it computes this one."""
     family = cfg.family
     for key, holds, why in family.hf_limits:
         if not holds(cfg):
-            return f"{key}: {getattr(cfg, key)}: {family.hf_class} {why}"
+            return key, f"{key}: {getattr(cfg, key)}: {family.hf_class} {why}"
     if cfg.mlp not in family.hf_mlps:
-        return f"mlp: {cfg.mlp}: {family.hf_class} computes {' or '.join(family.hf_mlps)} MLPs only"
+        return "mlp", f"mlp: {cfg.mlp}: {family.hf_class} computes {' or '.join(family.hf_mlps)} MLPs only"
     return None
 
 
@@ -37,8 +37,8 @@ def hf_config(cfg: GPTConfig, eot: int | None, bos: int | None = None) -> dict:
     """config.json's keys for our model; a model Hugging Face's class would compute differently
     is refused, naming the key, rather than exported wrong. The beginning-of-text id is the
     tokenizer's own where it names one (bos), else the end-of-text id."""
-    if why := hf_refusal(cfg):
-        raise UserError(f"{why}, so an export would compute other logits")
+    if refused := hf_refusal(cfg):
+        raise UserError(f"{refused[1]}, so an export would compute other logits")
     keys = {"model_type": cfg.family.hf_model_type} | cfg.family.hf_config(cfg, eot)
     return keys | ({"bos_token_id": bos} if bos is not None and "bos_token_id" in keys else {})
 
@@ -166,9 +166,10 @@ def define_model(cfg) -> str | None:
     except UserError as e:  # e.g. ep_size=3 must divide moe_experts=8 (init_from FOLDER sets moe_experts=8)
         named = ", ".join(f"{key}={getattr(cfg, key)}" for key in keys if re.search(rf"\b{key}\b", str(e)))
         raise UserError(f"{e} (init_from {cfg.init_from} sets {named})" if named else str(e)) from None
-    if why := hf_refusal(GPTConfig.of(cfg)):
+    if refused := hf_refusal(GPTConfig.of(cfg)):
+        key, why = refused
         raise UserError(f"init_from {cfg.init_from} holds a {family.hf_class}: {why}, so the run would train another "
-                        f"model than the folder's: drop {why.split(':')[0]} from the config and the command line")
+                        f"model than the folder's: drop {key} from the config and the command line")
     return (f"the context changes from init_from {cfg.init_from}: {', '.join(changes)}; the weights are the "
             f"folder's") if changes else None
 
