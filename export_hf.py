@@ -1,5 +1,5 @@
 """Export a checkpoint as a Hugging Face folder (needs `pip install transformers`): its family's
-class (fsdp_gpt/families.py: GPT2LMHeadModel, LlamaForCausalLM, ..., SmolLM3ForCausalLM).
+class (fsdp_gpt/families/: GPT2LMHeadModel, LlamaForCausalLM, ..., SmolLM3ForCausalLM).
 
 python export_hf.py CHECKPOINT OUT_DIR [--dtype fp32|bf16] [--max_shard_size 5GB]
 

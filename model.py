@@ -7,7 +7,7 @@
     model.generate(idx, max_new_tokens=64, top_k=50)
 
 A face, not a copy: the code lives in fsdp_gpt/model.py (plain PyTorch, no distributed code), with
-its parts beside it (attention.py, moe.py, loss.py) and the families' layouts in families.py
+its parts beside it (attention.py, moe.py, loss.py) and the families' layouts in families/
 (`GPTConfig(arch="llama", ...)`). train_fsdp.py imports the package itself.
 """
 from fsdp_gpt.model import GPT, DecoderBlock, GPTConfig

@@ -142,7 +142,7 @@ def validate_run(cfg: TrainConfig) -> None:
 
 
 def check_moe(cfg: TrainConfig) -> None:
-    """The mixture's keys (the families that take moe_experts: families.py): SwiGLU experts."""
+    """The mixture's keys (the families that take moe_experts: families/): SwiGLU experts."""
     require(cfg.ep_size == 1 or cfg.moe_experts, f"ep_size={cfg.ep_size} splits a mixture's experts over ranks, and "
                                                  f"moe_experts: 0 is a dense model: ep_size must be 1")
     if cfg.ep_size > 1 and cfg.reduce_dtype == "fp16":

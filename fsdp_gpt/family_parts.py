@@ -1,4 +1,4 @@
-"""What a model family's entry is made of (families.py holds the entries): the entry's type, Hugging
+"""What a model family's entry is made of (families/ holds the entries): the entry's type, Hugging
 Face's matrices stacked into one of ours (Rows) or absent (Absent), the rows of what a class
 computes otherwise (an entry's hf_limits), and a folder's config.json refused by name where it sets
 what is not built. Plain Python, no torch."""
@@ -85,3 +85,9 @@ def refuse_unbuilt(config: dict, unbuilt: tuple) -> None:
     for key, built, what in unbuilt:
         if not built(config.get(key)):
             raise ValueError(f"has {key}: {json.dumps(config[key])}; built here: {what}")
+
+
+def repeating(kinds: list[str]) -> list[str]:
+    """The shortest list that, repeated from the first layer, gives each layer's kind (a *_pattern key's value)."""
+    return next(kinds[:p] for p in range(1, len(kinds) + 1) if all(kind == kinds[i % p] for i, kind in enumerate(kinds)))
+

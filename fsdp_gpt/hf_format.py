@@ -1,4 +1,4 @@
-"""model.GPT <-> Hugging Face folders, for every family (families.py holds each one's class,
+"""model.GPT <-> Hugging Face folders, for every family (families/ holds each one's class,
 config.json's keys and weights' names): config.json and the weights both ways, read or written by
 the names the entry gives.
 

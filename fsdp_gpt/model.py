@@ -1,6 +1,6 @@
 """A decoder in plain PyTorch: no distributed code lives here.
 
-One attention, one block and one model build every family (families.py): the entry names the
+One attention, one block and one model build every family (families/): the entry names the
 norm, the positions (learned, as GPT-2's, or rotary, RoPE with the rotate_half convention), the MLP
 (tanh GELU, SwiGLU or GeGLU by default), the tying, the initialisation, and a block's structure
 where a family differs from most: which linears have biases, where the norms sit around each

@@ -1,5 +1,5 @@
 """The model's keys, defined once: each with its type, default and meaning. GPTConfig (model.py) is
-these keys with every null default settled by the model's family (families.py); TrainConfig
+these keys with every null default settled by the model's family (families/); TrainConfig
 (config.py) is these keys and the run's; --help, docs/config.md and the checks read them from there.
 Plain Python, no torch: the config reads them without building a model."""
 import dataclasses
@@ -27,7 +27,7 @@ def key(default, meaning: str, shape: bool = True):
 
 @dataclass
 class ModelKeys:
-    arch: str = key("gpt2", f"the layout, as fsdp_gpt/families.py names it, and its families: {layouts()}; "
+    arch: str = key("gpt2", f"the layout, as fsdp_gpt/families/ names it, and its families: {layouts()}; "
                             f"docs/models.md describes each")
     vocab_size: int | None = key(None, "embedding rows; null: the data's vocabulary (or the tokenizer's), rounded "
                                        "up to a multiple of 64")

@@ -1,4 +1,4 @@
-"""Model families (fsdp_gpt/families.py): each builds what its entry says, takes only its keys, and
+"""Model families (fsdp_gpt/families/): each builds what its entry says, takes only its keys, and
 maps onto its Hugging Face class both ways (transformers' logits, a folder read back, every weight's
 name). A new family adds its row to MODELS."""
 import json
