@@ -53,7 +53,7 @@ def main(argv: list[str]) -> int:
             raise UserError(f"{path} was tokenized with '{meta['tokenizer']}', the model trained on "
                             f"'{run['tokenizer']}': evaluate on data prepared with '{run['tokenizer']}'")
     micro_batch = args.micro_batch or run["micro_batch"]
-    segment = None if mix is None else Segment(0, run["data_weights"], {})
+    segment = None if mix is None else Segment(0, micro_batch, run["data_weights"], {})
     doc_mask = run.get("doc_mask", False) if args.doc_mask is None else args.doc_mask == "true"
     loader = BatchLoader(sources, model.config.block_size, micro_batch, micro_batch, 0, 1, run["seed"], device,
                          segment, doc_mask=doc_mask)  # one rank, val windows only

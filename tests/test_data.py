@@ -133,7 +133,7 @@ def test_aligned_rows_start_at_documents_and_depend_on_seed_and_step_alone(mixtu
     from fsdp_gpt.data.mixture import Segment
     meta = data.prepare_data(str(tmp_path / "d"), str(write_corpus(tmp_path / "src")), "bytes")
     sources = {"a": (str(tmp_path / "d"), meta)} | ({"b": (str(tmp_path / "d"), meta)} if mixture else {})
-    segment = Segment(0, {"a": 0.5, "b": 0.5}, {}) if mixture else None
+    segment = Segment(0, 8, {"a": 0.5, "b": 0.5}, {}) if mixture else None
 
     def global_aligned(step, dp_size, micro):
         loaders = [BatchLoader(sources, 16, 8, micro, rank, dp_size, 3, torch.device("cpu"), segment, align_rows=True)

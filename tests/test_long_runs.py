@@ -121,6 +121,23 @@ def test_weights_changed_on_resume_are_said_and_a_dropped_source_is_refused(mix_
         "(0 stops a source), not drop a source"]
 
 
+@pytest.mark.slow
+def test_a_plain_resume_after_a_change_of_train_batch_continues_its_run_bitwise(mix, tmp_path):
+    """A at 8 rows a step saves at step 2; B resumes it at 16 and saves at 4 and 6; C resumes B@4 as B ran:
+    C's steps 5 and 6 are B's. Weights 1 and 2: a cycle of 3 rows, which 16 rows a step do not fill (C
+    restarted the pattern here once, drawing other rows unsaid)."""
+    def run(name, resume_from=None, **settings):
+        (tmp_path / name).mkdir()
+        run_trainer(str(tmp_path / name), nproc=1, resume_from=resume_from, save_interval=2, eval_interval=100,
+                    **(mix | dict(data_weights="{web: 1, code: 2}") | settings))
+        return str(tmp_path / name)
+    a = run("a", train_batch=8, max_iters=2)
+    b = run("b", checkpoint_of(a, "full", 2), train_batch=16, max_iters=6)
+    c = run("c", checkpoint_of(b, "full", 4), train_batch=16, max_iters=6)
+    got, expected = logged(c, "train/loss")["train/loss"], logged(b, "train/loss")["train/loss"]
+    assert sorted(got) == [5, 6] and all(got[step] == expected[step] for step in got), (got, expected)
+
+
 # ---- non-finite steps ----
 
 def nonfinite_run(run_dir, steps: str, rank: int, into: str, **settings):

@@ -38,8 +38,8 @@ def test_every_cycle_of_rows_holds_each_source_exactly(weights):
 
 def mixture(weights=(0.75, 0.25), windows=(50, 13), segment=None, seed=3, batch=8):
     names = ["web", "code"]
-    segment = segment or Segment(0, dict(zip(names, weights)), {name: 0 for name in names})
-    return Mixture(names, list(windows), segment, seed, batch, [None] * len(names))
+    segment = segment or Segment(0, batch, dict(zip(names, weights)), {name: 0 for name in names})
+    return Mixture(names, list(windows), segment, seed, [None] * len(names))
 
 
 def test_rows_read_each_window_once_per_epoch_in_a_new_order_each_epoch():
@@ -100,6 +100,36 @@ def test_a_resume_with_another_train_batch_continues_each_source_where_it_stoppe
     web_after = [s // 16 for step in steps for k, s in zip(*after.rows(step, 16)) if k == 0]
     assert len(web_after) == 60 and sorted((web_before + web_after)[:50]) == list(range(50))
     assert after.supplied(steps[-1]) == {"web": 60 + 60, "code": 20 + 20}
+
+
+def resumed(saved: dict, step: int, batch: int) -> Mixture:
+    """A run resumed after `step` from a mixture's saved state, at `batch` rows a step (as BatchLoader.load does)."""
+    segment, note = resumed_segment(["web", "code"], {"web": 1, "code": 2}, saved, step, batch)
+    assert note is None
+    return mixture(weights=(1, 2), segment=segment, batch=batch)
+
+
+def same_rows(a: Mixture, b: Mixture, steps) -> bool:
+    return all(np.array_equal(x, y) for step in steps for x, y in zip(a.rows(step, 16), b.rows(step, 16)))
+
+
+def test_every_resume_after_changes_of_train_batch_continues_the_run_it_resumes():
+    """Two changes of train_batch (8 -> 16 at step 2, 16 -> 4 at step 6), each followed by a plain resume:
+    the plain resume draws the rows its run drew (the segment numbers its rows from its own start). Weights
+    1 and 2: a cycle of 3 rows, which no step fills."""
+    a = mixture(weights=(1, 2), batch=8)
+    b = resumed(a.state(2), 2, 16)
+    c = resumed(b.state(4), 4, 16)
+    assert same_rows(b, c, range(5, 9))
+    d = resumed(b.state(6), 6, 4)
+    e = resumed(d.state(8), 8, 4)
+    assert same_rows(d, e, range(9, 13))
+    assert sum(e.supplied(12).values()) == 2 * 8 + 4 * 16 + 6 * 4
+    # a checkpoint written before segments kept their train_batch (its rows numbered from the run's start by
+    # the train_batch of the resume that made it, which made the plain resume start over) continues too
+    old = b.state(4)
+    old["segment"] = {"start_row": 2 * 16, "weights": old["segment"]["weights"], "base": old["segment"]["base"]}
+    assert same_rows(b, resumed(old, 4, 16), range(5, 9))
 
 
 @pytest.mark.parametrize("override, message", [

@@ -74,14 +74,16 @@ def test_a_checkpoint_written_before_issue_50_resumes_bitwise(tmp_path):
     for tag, values in expected.items():
         assert scalars(str(tmp_path / "tb"), tag) == {int(step): value for step, value in values.items()}, tag
     # what the owners kept went on from the checkpoint's: the spike window (a ring of 4) holds the
-    # saved loss of step 3 beside steps 4 to 6's, the mixture's segment is the saved one and its
-    # sources supplied 3 more steps' rows
+    # saved loss of step 3 beside steps 4 to 6's, the mixture's segment is the saved one (in today's form: its
+    # rows numbered from its start step by its train_batch) and its sources supplied 3 more steps' rows
     before = torch.load(resumed, weights_only=True)["train_state"]
     after = torch.load(checkpoint_of(str(tmp_path), "full", 6), weights_only=True)["train_state"]
     loss = expected["train/loss"]
     assert after["spikes"]["losses"] == [loss["5"], loss["6"], before["spikes"]["losses"][2], loss["4"]]
     assert after["spikes"]["seen"] == 6
-    assert after["data"]["mixture"]["segment"] == before["data"]["mixture"]["segment"]
+    saved_segment = before["data"]["mixture"]["segment"]
+    assert saved_segment["start_row"] == 0 and after["data"]["mixture"]["segment"] == {
+        "start_step": 0, "train_batch": 4, "weights": saved_segment["weights"], "base": saved_segment["base"]}
     assert after["data"]["mixture"]["supplied"] == {"a": 16, "b": 8}
     assert len(after["moe"]["load"]) == 2 and after["wandb_run_id"] is None
     # it counted no tokens: taken as its 3 steps' (4 rows of 16 tokens each), and counted on from there
@@ -96,7 +98,7 @@ def owners(cfg, model, step: int = 0, block_size: int = 16) -> dict:
     sources = {name: (os.path.join(FIXTURE, "data", name), read_json(os.path.join(FIXTURE, "data", name, "meta.json"),
                                                                       "")) for name in "ab"}
     cpu = torch.device("cpu")
-    loader = BatchLoader(sources, block_size, 4, 2, 0, 1, 50, cpu, Segment(0, {"a": 2.0, "b": 1.0}, {"a": 0, "b": 0}),
+    loader = BatchLoader(sources, block_size, 4, 2, 0, 1, 50, cpu, Segment(0, 4, {"a": 2.0, "b": 1.0}, {"a": 0, "b": 0}),
                          step=step)
     return vars(RunState.of(cfg, loader, model, cpu))
 

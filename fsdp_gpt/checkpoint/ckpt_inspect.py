@@ -118,7 +118,9 @@ def _data(step: int, config: dict, train_state: dict) -> str:
     if mixture:
         weights = ", ".join(f"{name} {w:g}" for name, w in mixture["segment"]["weights"].items())
         supplied = ", ".join(f"{name} {rows:,}" for name, rows in mixture["supplied"].items())
-        words += f"; rows supplied: {supplied}; weights {weights} from row {mixture['segment']['start_row']:,}"
+        segment = mixture["segment"]  # a checkpoint before segments kept their train_batch counts the run's rows
+        since = f"step {segment['start_step'] + 1:,}" if "start_step" in segment else f"row {segment['start_row']:,}"
+        words += f"; rows supplied: {supplied}; weights {weights} from {since}"
     return words
 
 

@@ -148,7 +148,7 @@ class BatchLoader:
 
     def _follow(self, segment: Segment) -> None:
         """Rows drawn from the mixture of `segment` from here on."""
-        self.mixture = self.sampler = Mixture(self.names, self.windows, segment, self.seed, self.train_batch, self.starts)
+        self.mixture = self.sampler = Mixture(self.names, self.windows, segment, self.seed, self.starts)
 
     def tokens(self, step: int) -> int:
         """Tokens trained on up to and including step `step`, over every rank."""

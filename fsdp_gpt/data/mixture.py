@@ -1,17 +1,18 @@
 """Data mixtures: which source, and which window of it, each training row of a run reads.
 
 The weights become whole numbers of rows per cycle (kept to 1/1000 of the whole), laid out over the
-cycle by smooth weighted round robin: row r of the run (row i of step s is r = (s - 1) * train_batch
-+ i) comes from source pattern[r % cycle], so every cycle of rows holds each source's share exactly
-and a step's batch holds it to within a row or two. Source k's n-th row is window
+cycle by smooth weighted round robin: row r of a segment (row i of step s is r = (s - 1 - start_step)
+* train_batch + i) comes from source pattern[r % cycle], so every cycle of rows holds each source's
+share exactly and a step's batch holds it to within a row or two. Source k's n-th row is window
 shuffled(n mod W_k) of its epoch n // W_k, its W_k windows being its train tokens cut at multiples
 of block_size: every window once per epoch, in an order drawn anew for each epoch (a keyed
 permutation computed per row: no table to hold, however large the source). A source that runs out
 starts its next epoch on its own.
 
-All of it is a function of the seed, the step and the segment: the weights in force since a row of
-the run and the rows each source had supplied by then. A resume with the same weights continues
-the saved segment (bitwise); with other weights it starts a new one where the checkpoint left off.
+All of it is a function of the seed, the step and the segment: the weights and the rows a step in
+force since a step of the run, and the rows each source had supplied by then. A resume with the same
+weights and train_batch continues the saved segment (bitwise, after any number of earlier changes);
+with others it starts a new one where the checkpoint left off.
 """
 import math
 import zlib
@@ -26,12 +27,28 @@ RESOLUTION = 1000  # weights are kept to 1/1000 of their sum
 
 @dataclass
 class Segment:
-    start_row: int  # the row of the run from which these weights apply
+    start_step: int  # the step after which these weights apply (0: from the run's start)
+    train_batch: int  # the rows of each of its steps: its rows are numbered by it
     weights: dict[str, float]
-    base: dict[str, int]  # rows each source had supplied before start_row
+    base: dict[str, int]  # rows each source had supplied by the end of start_step
 
     def to_state(self) -> dict:
-        return {"start_row": self.start_row, "weights": dict(self.weights), "base": dict(self.base)}
+        return {"start_step": self.start_step, "train_batch": self.train_batch, "weights": dict(self.weights),
+                "base": dict(self.base)}
+
+    @classmethod
+    def saved(cls, state: dict, supplied: dict[str, int], step: int, train_batch: int) -> "Segment | None":
+        """The checkpoint's segment, resumed after `step`. One saved before segments kept their
+        train_batch (a start_row, its rows numbered from the run's start by the train_batch of the
+        run's steps) is that train_batch's where the rows it supplied since its start agree with it,
+        else None (a resume at another train_batch: a new segment)."""
+        if "start_step" in state:
+            return cls(**state)
+        start_step, rest = divmod(state["start_row"], train_batch)
+        since = sum(supplied.values()) - sum(state["base"].values())
+        if rest or since != (step - start_step) * train_batch:
+            return None
+        return cls(start_step, train_batch, state["weights"], state["base"])
 
 
 def cycle(weights: list[float]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -83,26 +100,29 @@ def shuffled(index: np.ndarray, size: int, key: list[int]) -> np.ndarray:
 class Mixture:
     """The rows of a run drawn from several sources (names in data_mix's order)."""
 
-    def __init__(self, names: list[str], windows: list[int], segment: Segment, seed: int, train_batch: int,
+    def __init__(self, names: list[str], windows: list[int], segment: Segment, seed: int,
                  starts: list[np.ndarray | None]):
         """windows: each source's windows per epoch; starts: their offsets where they are documents
         (align_rows), None where window w starts at w * block_size."""
         self.names, self.windows, self.segment, self.starts = names, np.array(windows, dtype=np.int64), segment, starts
-        self.seed, self.train_batch = seed, train_batch
+        self.seed, self.train_batch = seed, segment.train_batch
         self.counts, self.pattern, self.prefix = cycle([segment.weights[name] for name in names])
         self.base = np.array([segment.base.get(name, 0) for name in names], dtype=np.int64)
 
+    def _first_row(self, step: int) -> int:
+        """The segment's number of step `step`'s first row."""
+        assert step > self.segment.start_step, "steps before the segment's start belong to another segment"
+        return (step - 1 - self.segment.start_step) * self.train_batch
+
     def _supplied_before(self, rows: np.ndarray, sources: np.ndarray) -> np.ndarray:
-        """How many rows source sources[i] has supplied before row rows[i] of the run."""
-        r = rows - self.segment.start_row
-        assert (r >= 0).all(), "rows before the segment's start belong to another segment"
+        """How many rows source sources[i] has supplied before row rows[i] of the segment."""
         length = len(self.pattern)
-        return self.base[sources] + (r // length) * self.counts[sources] + self.prefix[r % length, sources]
+        return self.base[sources] + (rows // length) * self.counts[sources] + self.prefix[rows % length, sources]
 
     def rows(self, step: int, block_size: int) -> tuple[np.ndarray, np.ndarray]:
         """(source, start offset in its train tokens) of each of step `step`'s train_batch rows."""
-        rows = np.arange((step - 1) * self.train_batch, step * self.train_batch, dtype=np.int64)
-        sources = self.pattern[(rows - self.segment.start_row) % len(self.pattern)]
+        rows = self._first_row(step) + np.arange(self.train_batch, dtype=np.int64)
+        sources = self.pattern[rows % len(self.pattern)]
         n = self._supplied_before(rows, sources)
         epochs, within = n // self.windows[sources], n % self.windows[sources]
         windows = np.empty_like(n)
@@ -118,7 +138,7 @@ class Mixture:
 
     def supplied(self, step: int) -> dict[str, int]:
         """Rows each source has supplied in steps 1..step."""
-        end = np.full(len(self.names), step * self.train_batch, dtype=np.int64)
+        end = np.full(len(self.names), self._first_row(step) + self.train_batch, dtype=np.int64)
         return dict(zip(self.names, self._supplied_before(end, np.arange(len(self.names))).tolist()))
 
     def epochs(self, step: int) -> dict[str, float]:
@@ -135,19 +155,19 @@ def resumed_segment(names: list[str], weights: dict[str, float], saved: dict | N
     """The segment a run continues with after step `step`, and a note when its weights changed.
     saved: the checkpoint's mixture state (None: a fresh start, or a checkpoint of a run without one)."""
     if saved is None:
-        return Segment(step * train_batch, dict(weights), {name: 0 for name in names}), None
+        return Segment(step, train_batch, dict(weights), {name: 0 for name in names}), None
     dropped = [name for name in saved["supplied"] if name not in names]
     if dropped:
         raise UserError(f"the checkpoint's mixture reads {', '.join(dropped)}, which data_mix lacks: a resume may "
                         f"change data_weights (0 stops a source), not drop a source")
     before = saved["segment"]["weights"]
-    # a segment numbers its rows (step - 1) x train_batch on: another train_batch numbers them otherwise,
-    # and each source continues where it stopped in a new segment
-    same_rows = sum(saved["supplied"].values()) == step * train_batch
-    if before == weights and same_rows:
-        return Segment(**saved["segment"]), None
+    # a segment numbers its rows by its train_batch: another train_batch numbers them otherwise, and each
+    # source continues where it stopped in a new segment
+    segment = Segment.saved(saved["segment"], saved["supplied"], step, train_batch)
+    if before == weights and segment is not None and segment.train_batch == train_batch:
+        return segment, None
     changes = ", ".join(f"{name} {before.get(name, 0):g} -> {weights[name]:g}" for name in names
                         if before.get(name) != weights[name])
-    return Segment(step * train_batch, dict(weights), dict(saved["supplied"])), \
+    return Segment(step, train_batch, dict(weights), dict(saved["supplied"])), \
         (f"data_weights changed on resume ({changes}): they apply from step {step + 1} on" if changes else None)
 
