@@ -135,27 +135,40 @@ def hf_model_keys(folder: str) -> tuple[dict, int]:
     return keys, keys["block_size"]
 
 
+def _settled(keys: dict, key: str, value):
+    """What `key` comes to in the model of the folder's keys with `value` for it (null: none, or the
+    family's default where the family settles it: ModelKeys.settled)."""
+    return getattr(GPTConfig(**keys | {key: value}), key)
+
+
+def _shown(value) -> str:
+    return "null" if value is None else str(value)
+
+
 def define_model(cfg) -> str | None:
     """init_from: the folder's config.json sets every model key of cfg. A key the config file or the
-    command line gave (cfg.given) that contradicts the folder is refused, naming both values, but for
-    the context keys its family lets a resume change (Family.resumable: a window, RoPE's base or
-    scaling; no weight changes), which change as on a resume: the note returned says how. A key the
-    folder leaves unset is refused where the folder's class computes without it (a soft cap, value
-    embeddings: hf_refusal, the export's own test). The run's tokenizer is the folder's unless one is
-    named; block_size stays the config's, past the folder's positions only with a rotary layout (said
-    in the note). Then the checks that read the model's keys run (the config's others were checked
-    when it was read): a refusal that names a key the folder set says it is the folder's."""
+    command line gave (cfg.given), null included, that contradicts the folder is refused, naming both
+    values, but for the context keys its family lets a resume change (Family.resumable: a window,
+    RoPE's base or scaling; no weight changes), which change as on a resume: the note returned says
+    how. A null that settles to the folder's value (n_kv_head: null beside a folder without grouped
+    heads) contradicts nothing. A key the folder leaves unset is refused where the folder's class
+    computes without it (a soft cap, value embeddings: hf_refusal, the export's own test). The run's
+    tokenizer is the folder's unless one is named; block_size stays the config's, past the folder's
+    positions only with a rotary layout (said in the note). Then the checks that read the model's keys
+    run (the config's others were checked when it was read): a refusal that names a key the folder
+    set says it is the folder's."""
     keys, longest = hf_model_keys(cfg.init_from)
-    family, changes = GPTConfig(**keys).family, []
+    family, changes, changed = GPTConfig(**keys).family, [], set()
     for key, value in keys.items():
         mine = getattr(cfg, key)
-        if key in cfg.given and mine is not None and mine != value:
+        if key in cfg.given and _settled(keys, key, mine) != _settled(keys, key, value):
             if key in family.resumable:
-                changes.append(f"{key} {value} -> {mine}")
+                changes.append(f"{key} {_shown(value)} -> {_shown(mine)}")
+                changed.add(key)
                 continue
-            raise UserError(f"init_from {cfg.init_from} has {key}={value} but the config sets {key}={mine}: drop "
-                            f"{key} from the config and the command line, or set --{key}={value} (the folder defines "
-                            f"the model)")
+            raise UserError(f"init_from {cfg.init_from} has {key}={_shown(value)} but the config sets "
+                            f"{key}={_shown(mine)}: drop {key} from the config and the command line, or set "
+                            f"--{key}={_shown(value)} (the folder defines the model)")
         setattr(cfg, key, value)
     if cfg.block_size > longest:  # rotary: no weights per position (GPT-2's learned ones are a key above)
         changes.append(f"block_size {cfg.block_size}, past the {longest} positions of its config.json")
@@ -164,7 +177,8 @@ def define_model(cfg) -> str | None:
     try:
         validate_model(cfg)
     except UserError as e:  # e.g. ep_size=3 must divide moe_experts=8 (init_from FOLDER sets moe_experts=8)
-        named = ", ".join(f"{key}={getattr(cfg, key)}" for key in keys if re.search(rf"\b{key}\b", str(e)))
+        named = ", ".join(f"{key}={getattr(cfg, key)}" for key in keys
+                          if key not in changed and re.search(rf"\b{key}\b", str(e)))
         raise UserError(f"{e} (init_from {cfg.init_from} sets {named})" if named else str(e)) from None
     if refused := hf_refusal(GPTConfig.of(cfg)):
         key, why = refused

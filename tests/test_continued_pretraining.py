@@ -175,14 +175,14 @@ def test_ep_size_alone_splits_a_mixture_folders_experts(qwen3_moe_folder, qwen3_
         f"1 (init_from {qwen3_folder} sets moe_experts=0)"]
 
 
-def defined(folder: str, override: str) -> str:
-    """continue_hf.yaml with init_from=folder and one override, read as the trainer reads it, then the
+def defined(folder: str, *overrides: str) -> str:
+    """continue_hf.yaml with init_from=folder and the overrides, read as the trainer reads it, then the
     folder's keys applied (define_model): "note: ..." as it says, or "error: ..." as it refuses."""
     from fsdp_gpt.config import UserError
     from fsdp_gpt.config_parse import parse_args
     from fsdp_gpt.hf_format import define_model
     cfg = parse_args([os.path.join(ROOT, "config", "continue_hf.yaml"), f"--init_from={folder}", "--block_size=64",
-                      override])
+                      *overrides])
     try:
         return f"note: {define_model(cfg)}"
     except UserError as e:
@@ -218,6 +218,29 @@ def test_a_check_of_a_folders_key_runs_once_it_is_read_and_names_it(override, re
 def test_a_key_the_folder_leaves_unset_is_its_class_or_a_context_change(override, said, qwen3_folder):
     got = defined(qwen3_folder, override)
     assert got.startswith(said.format(qwen3_folder)), got
+
+
+@pytest.mark.parametrize("folder, overrides, said", [
+    # a null is a value: a context key takes it as a resume does, any other is refused as any value is
+    ("mistral", ["--sliding_window=null"], "note: the context changes from init_from {}: sliding_window 16 -> null; "
+                                           "the weights are the folder's"),
+    ("gemma3", ["--window_pattern=[global]", "--rope_local_theta=null"],
+     "note: the context changes from init_from {}: rope_local_theta 20000.0 -> null, window_pattern ['local', 'global'] "
+     "-> ['global']; the weights are the folder's"),
+    # the refusal's advice names the folder's keys, not the value the user gave
+    ("gemma3", ["--window_pattern=[global]"], "error: rope_local_theta=20000 is the local layers' RoPE base, and no "
+     "layer is local (window_pattern ['global'] over 2 layers): make a layer local (sliding_window, window_pattern), "
+     "or set rope_local_theta: null (every layer on rope_theta) (init_from {} sets rope_theta=1000000.0, "
+     "rope_local_theta=20000.0, sliding_window=16)"),
+    ("mistral", ["--n_kv_head=null"], "error: init_from {} has n_kv_head=2 but the config sets n_kv_head=null: drop "
+                                      "n_kv_head from the config and the command line, or set --n_kv_head=2"),
+    # a null that settles to the folder's value contradicts nothing (Gemma 3 normalises q and k: its default)
+    ("gemma3", ["--qk_norm=null"], "note: None"),
+])
+def test_a_null_beside_init_from_is_applied_or_refused(folder, overrides, said, tmp_path_factory, gemma3_folder):
+    path = gemma3_folder if folder == "gemma3" else family_folder(tmp_path_factory, folder)
+    got = defined(path, *overrides)
+    assert got == said.format(path) if said.startswith("note") else got.startswith(said.format(path)), got
 
 
 @pytest.mark.compat  # and on transformers 4.51 (CI's oldest venv)
