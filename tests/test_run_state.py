@@ -41,9 +41,9 @@ import pytest
 import torch
 
 from conftest import DEMO, ROOT, checkpoint_of, run_trainer, scalars
-from fsdp_gpt.checkpoint.ckpt_inspect import inspect
+from fsdp_gpt.checkpoint.ckpt_inspect import describe, inspect
 from fsdp_gpt.checkpoint.fsdp_ckpt import CheckpointManager
-from fsdp_gpt.checkpoint.run_state import RunState
+from fsdp_gpt.checkpoint.run_state import RunState, resumed_train_state
 from fsdp_gpt.config_parse import parse_args
 from fsdp_gpt.data.loader import BatchLoader
 from fsdp_gpt.data.mixture import Segment
@@ -92,15 +92,18 @@ def test_a_checkpoint_written_before_issue_50_resumes_bitwise(tmp_path):
     assert after["data"]["tokens"] == 6 * 4 * 16
 
 
+def fixture_loader(step: int = 0, block_size: int = 16) -> BatchLoader:
+    """The fixture's mixture at 4 rows a step, for a run that continues after `step`."""
+    sources = {name: (os.path.join(FIXTURE, "data", name), read_json(os.path.join(FIXTURE, "data", name, "meta.json"),
+                                                                      "")) for name in "ab"}
+    return BatchLoader(sources, block_size, 4, 2, 0, 1, 50, torch.device("cpu"),
+                       Segment(0, 4, {"a": 2.0, "b": 1.0}, {"a": 0, "b": 0}), step=step)
+
+
 def owners(cfg, model, step: int = 0, block_size: int = 16) -> dict:
     """The trainer's owners of state beside the weights (RunState, as train_fsdp.py makes them), fresh,
     for a run that continues after `step`."""
-    sources = {name: (os.path.join(FIXTURE, "data", name), read_json(os.path.join(FIXTURE, "data", name, "meta.json"),
-                                                                      "")) for name in "ab"}
-    cpu = torch.device("cpu")
-    loader = BatchLoader(sources, block_size, 4, 2, 0, 1, 50, cpu, Segment(0, 4, {"a": 2.0, "b": 1.0}, {"a": 0, "b": 0}),
-                         step=step)
-    return vars(RunState.of(cfg, loader, model, cpu))
+    return vars(RunState.of(cfg, fixture_loader(step, block_size), model, torch.device("cpu")))
 
 
 def test_every_owner_gets_back_what_it_kept(one_process_group, tmp_path):
@@ -129,6 +132,22 @@ def test_every_owner_gets_back_what_it_kept(one_process_group, tmp_path):
     longer = owners(cfg, model, step=3, block_size=32)["data"]
     longer.load(kept["data"].state())
     assert longer.tokens(5) == 3 * 4 * 16 + 2 * 4 * 32
+
+
+def test_the_tokens_seen_before_their_count_are_taken_with_the_checkpoints_own_batch(tmp_path):
+    """A checkpoint of 2 steps of 6 rows of 64 tokens that predates the count, resumed at 4 rows of 16: 768
+    seen, as its own config says, not 2 x 4 x 16."""
+    ckpt = {"step": 2, "config": {"train_batch": 6, "block_size": 64}, "train_state": {"data": {}, "seed": 50},
+            "model_config": {"vocab_size": 256, "n_layer": 1, "n_head": 1, "n_embd": 8, "block_size": 8}}
+    data = fixture_loader(step=2)
+    note = data.load(resumed_train_state(ckpt)["data"])
+    assert note == "the checkpoint predates its count of tokens seen: taken as 2 steps x train_batch 6 x block_size 64 = 768"
+    assert data.tokens(3) == 768 + 4 * 16
+    assert "tokens_taken_as" not in data.state()
+    counted = dict(ckpt, train_state={"data": {"tokens": 500}})
+    assert resumed_train_state(counted) == counted["train_state"] and describe(counted, "full")[1] == "  tokens seen  500"
+    assert describe(ckpt, "full")[1] == (
+        "  tokens seen  768 (taken as 2 steps x train_batch 6 x block_size 64: the checkpoint predates its count)")
 
 
 def test_the_inspector_reads_a_checkpoint_written_before_issue_50():

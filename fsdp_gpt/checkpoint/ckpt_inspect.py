@@ -19,6 +19,7 @@ from fsdp_gpt.checkpoint.ckpt_format import (
     FULL_RE, MARKER_RE, SHARD_RE, CorruptCheckpoint, full_path, load_file, load_full, marker_path, open_rank_files,
     read_marker, shard_path, sharded_step)
 from fsdp_gpt.checkpoint.ckpt_index import check_file, check_whole
+from fsdp_gpt.checkpoint.run_state import tokens_seen
 from fsdp_gpt.config import FIELDS, UserError
 from fsdp_gpt.model import GPT, GPTConfig
 
@@ -88,13 +89,11 @@ def _model(model_config: dict) -> str:
             f"{f' ({n_params - idle:,} active a token)' if idle else ''}")
 
 
-def _tokens(step: int, config: dict, data: dict) -> str:
-    if "tokens" in data:
-        return f"{data['tokens']:,}"
-    if {"train_batch", "block_size"} <= config.keys():
-        return (f"{step * config['train_batch'] * config['block_size']:,} (taken as {step} steps x train_batch "
-                f"{config['train_batch']} x block_size {config['block_size']}: the checkpoint predates its count)")
-    return "unknown (the checkpoint predates its count)"
+def _tokens(ckpt: dict) -> str:
+    tokens, how = tokens_seen(ckpt)
+    if tokens is None:
+        return "unknown (the checkpoint predates its count)"
+    return f"{tokens:,}" + (f" ({how}: the checkpoint predates its count)" if how else "")
 
 
 def _writer(ckpt: dict, kind: str, config: dict) -> str:
@@ -140,7 +139,7 @@ def describe(ckpt: dict, kind: str) -> list[str]:
     changed = [f"{key}={_value(value)}" + ("" if key in FIELDS else " (no longer a key)")
                for key, value in config.items() if key not in FIELDS or value != FIELDS[key].default]
     return [f"  step         {step}: the state after it; a resume continues with step {step + 1}",
-            f"  tokens seen  {_tokens(step, config, train_state.get('data', {}))}",
+            f"  tokens seen  {_tokens(ckpt)}",
             f"  written by   {_writer(ckpt, kind, config)}",
             f"  model        {_model(ckpt['model_config'])}",
             *_wrapped("config", (changed or ["none"]) + ["(the keys that differ from the defaults)"]),

@@ -17,6 +17,7 @@ from fsdp_gpt.checkpoint.ckpt_format import (
     LOAD_OPTIONS, check_model_shape, fill_local, is_first_replica, load_full, marker_path, open_rank_files,
     read_marker, read_sharded, rope_base_moves, shard_path, sharded_step)
 from fsdp_gpt.checkpoint.ckpt_index import check_file, check_whole, files_to_open, model_key, wanted_rows
+from fsdp_gpt.checkpoint.run_state import resumed_train_state
 from fsdp_gpt.config import UserError
 from fsdp_gpt.distributed.launch import agree, decided_on_rank0
 from fsdp_gpt.distributed.shards import local_slice, zero_rows
@@ -53,7 +54,7 @@ class CheckpointReader:
             self._check_shape(f"checkpoint {path}", ckpt["model_config"])
             return ckpt
         ckpt = agree(read if self.topo.is_main else dict)
-        header = [ckpt.get("step"), ckpt.get("train_state", {})]
+        header = [ckpt.get("step"), resumed_train_state(ckpt) if self.topo.is_main else None]
         dist.broadcast_object_list(header, src=0)
         set_model_state_dict(model, ckpt.get("model", {}), options=LOAD_OPTIONS)
         set_optimizer_state_dict(model, optimizer, ckpt.get("optimizer", {}), options=LOAD_OPTIONS)
@@ -70,7 +71,7 @@ class CheckpointReader:
         # rank 0 reads, tells all
         skeleton = [{name: {key: value["shape"] if isinstance(value, dict) else value for key, value in saved.items()}
                      for name, saved in files[0]["optimizer"].items()} if self.topo.is_main else None,
-                    files[0].get("train_state", {}) if self.topo.is_main else None]
+                    resumed_train_state(files[0]) if self.topo.is_main else None]
         dist.broadcast_object_list(skeleton, src=0)
         group_of = {p: group for group in optimizer.param_groups for p in group["params"]}
         for p, name in names.items():

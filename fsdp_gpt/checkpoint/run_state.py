@@ -36,6 +36,30 @@ class RunState:
                    moe=ExpertBalance(gpt, cfg.moe_bias_rate, device), wandb_run_id=WandbRunId(cfg))
 
 
+def tokens_seen(ckpt: dict) -> tuple[int | None, str | None]:
+    """(the tokens a checkpoint's run had trained on, how they were taken where it predates their count:
+    its steps x its own train_batch x block_size, from its config; else None). None, None: it holds
+    neither (written before checkpoints kept their config)."""
+    step, config = ckpt["step"], ckpt.get("config", {})
+    data = ckpt.get("train_state", {}).get("data") or {}
+    if "tokens" in data:
+        return data["tokens"], None
+    if {"train_batch", "block_size"} <= config.keys():
+        return (step * config["train_batch"] * config["block_size"],
+                f"taken as {step} steps x train_batch {config['train_batch']} x block_size {config['block_size']}")
+    return None, None
+
+
+def resumed_train_state(ckpt: dict) -> dict:
+    """What a resume's owners load from a checkpoint's header (CheckpointManager.keep): its train_state,
+    the data's tokens seen filled in where it predates their count (data["tokens_taken_as"] says how)."""
+    train_state = dict(ckpt.get("train_state", {}))
+    tokens, how = tokens_seen(ckpt)
+    if how:
+        train_state["data"] = dict(train_state.get("data") or {}) | {"tokens": tokens, "tokens_taken_as": how}
+    return train_state
+
+
 def header(cfg, step: int, world_size: int, owners: dict) -> dict:
     """What a checkpoint of `step` holds beside its tensors; owners: {name: owner} (keep())."""
     kept = {name: owner.state() for name, owner in owners.items()}

@@ -160,14 +160,14 @@ class BatchLoader:
         return {"tokens": self.tokens(self.step)} | mixture
 
     def load(self, state: dict | None) -> str | None:
-        """A resumed run's data: its tokens so far (derived from the step where a checkpoint predates the
-        count), and a mixture continues the checkpoint's segment, or starts a new one where it left off
+        """A resumed run's data: its tokens so far (where a checkpoint predates their count, taken from its
+        steps, train_batch and block_size: run_state.resumed_train_state), and a mixture continues the checkpoint's segment, or starts a new one where it left off
         when data_weights changed (the notes returned say so)."""
         state, notes = state or {}, []
         self.tokens_before = state.get("tokens", self.tokens_before)
-        if self.resumed_at and "tokens" not in state:
-            notes.append(f"the checkpoint predates its count of tokens seen: taken as {self.resumed_at} steps x "
-                         f"train_batch {self.train_batch} x block_size {self.block_size} = {self.tokens_before:,}")
+        if "tokens_taken_as" in state:  # from the checkpoint's own config (run_state.resumed_train_state)
+            notes.append(f"the checkpoint predates its count of tokens seen: {state['tokens_taken_as']} = "
+                         f"{self.tokens_before:,}")
         if self.mixture is not None:
             segment, note = resumed_segment(self.names, self.mixture.segment.weights, state.get("mixture"),
                                             self.step, self.train_batch)

@@ -109,10 +109,10 @@ class Mixture:
         self.counts, self.pattern, self.prefix = cycle([segment.weights[name] for name in names])
         self.base = np.array([segment.base.get(name, 0) for name in names], dtype=np.int64)
 
-    def _first_row(self, step: int) -> int:
-        """The segment's number of step `step`'s first row."""
-        assert step > self.segment.start_step, "steps before the segment's start belong to another segment"
-        return (step - 1 - self.segment.start_step) * self.train_batch
+    def _rows_by(self, step: int) -> int:
+        """The segment's rows in its steps up to and including `step` (the number of step + 1's first)."""
+        assert step >= self.segment.start_step, "steps before the segment's start belong to another segment"
+        return (step - self.segment.start_step) * self.train_batch
 
     def _supplied_before(self, rows: np.ndarray, sources: np.ndarray) -> np.ndarray:
         """How many rows source sources[i] has supplied before row rows[i] of the segment."""
@@ -121,7 +121,7 @@ class Mixture:
 
     def rows(self, step: int, block_size: int) -> tuple[np.ndarray, np.ndarray]:
         """(source, start offset in its train tokens) of each of step `step`'s train_batch rows."""
-        rows = self._first_row(step) + np.arange(self.train_batch, dtype=np.int64)
+        rows = self._rows_by(step - 1) + np.arange(self.train_batch, dtype=np.int64)
         sources = self.pattern[rows % len(self.pattern)]
         n = self._supplied_before(rows, sources)
         epochs, within = n // self.windows[sources], n % self.windows[sources]
@@ -138,7 +138,7 @@ class Mixture:
 
     def supplied(self, step: int) -> dict[str, int]:
         """Rows each source has supplied in steps 1..step."""
-        end = np.full(len(self.names), self._first_row(step) + self.train_batch, dtype=np.int64)
+        end = np.full(len(self.names), self._rows_by(step), dtype=np.int64)
         return dict(zip(self.names, self._supplied_before(end, np.arange(len(self.names))).tolist()))
 
     def epochs(self, step: int) -> dict[str, float]:
