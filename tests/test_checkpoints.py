@@ -112,7 +112,8 @@ def test_the_inspector_says_what_a_checkpoint_holds(two_rank_runs, corpus, tmp_p
         n_params = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=32, vocab_size=256)).num_params()
     lines = tool("fsdp_ckpt.py", sharded + "/").splitlines()  # exit 0: complete
     assert lines[:4] == [f"{sharded}/: 2 checkpoints", "  step 3, sharded: complete", "  step 6, sharded: complete",
-                         f"the newest complete, {sharded}/fsdp_sharded_cpt6_rank0.pth (what --resume_from=latest takes):"]
+                         f"the newest complete, {sharded}/fsdp_sharded_cpt6_rank0.pth (unverified: --resume_from=latest "
+                         f"takes it where its checksums match, --verify checks them):"]
     fields = {line[2:15].strip(): line[15:] for line in lines[4:] if not line.startswith(" " * 15)}
     assert fields["step"] == "6: the state after it; a resume continues with step 7"
     assert fields["tokens seen"] == f"{6 * RUN['train_batch'] * TINY['block_size']:,}"
@@ -149,7 +150,22 @@ def test_the_inspector_says_what_a_checkpoint_holds(two_rank_runs, corpus, tmp_p
     out = capsys.readouterr().out.splitlines()
     assert out[2].startswith(f"  step 6, sharded: not complete: checkpoint {cut}/fsdp_sharded_cpt6_rank1.pth is corrupt "
                              f"or truncated")
-    assert out[3] == f"the newest complete, {cut}/fsdp_sharded_cpt3_rank0.pth (what --resume_from=latest takes):"
+    assert out[3] == (f"the newest complete, {cut}/fsdp_sharded_cpt3_rank0.pth (unverified: --resume_from=latest takes "
+                      f"it where its checksums match, --verify checks them):")
+    # 8 bytes of the newest set's rank 1 file flipped: unverified, the newest looks complete; verified, the inspector
+    # names the set a resume takes, and the resume takes it
+    flipped = str(tmp_path / "flipped")
+    shutil.copytree(sharded, flipped)
+    for i in range(8):
+        flip_byte(ckpt_format.shard_path(flipped, 6, 1), fraction=0.6 + i / 1000)
+    assert ckpt_inspect.main([flipped]) == 0
+    assert f"the newest complete, {flipped}/fsdp_sharded_cpt6_rank0.pth (unverified:" in capsys.readouterr().out
+    assert ckpt_inspect.main([flipped, "--verify"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[2].startswith(f"  step 6, sharded: not complete: checkpoint {flipped}/fsdp_sharded_cpt6_rank1.pth is corrupt")
+    assert out[3] == f"the newest complete, {flipped}/fsdp_sharded_cpt3_rank0.pth (what --resume_from=latest takes):"
+    resumed = run_trainer(str(tmp_path), checkpoint_dir=flipped, resume_from="latest", **corpus, **RUN)
+    assert f"resumed from {flipped}/fsdp_sharded_cpt3_rank0.pth at step 3" in resumed.stdout
     # a rank's file under a name of its own, a .pth of someone else's, a full file cut to a few KB: not complete
     renamed, foreign, short = (str(tmp_path / name) for name in ("renamed.pth", "foreign.pth", "short.pth"))
     shutil.copy(ckpt_format.shard_path(sharded, 6, 1), renamed)

@@ -178,8 +178,11 @@ def inspect(path: str, verify: bool = False) -> tuple[str, bool]:
             return "\n".join(lines + ["no complete checkpoint"]), False
         step, kind, read = newest
         name = full_path(path, step) if kind == "full" else shard_path(path, step, 0)
-        return "\n".join(lines + [f"the newest complete, {name} (what --resume_from=latest takes):"] +
-                         _report(read, kind)), True
+        # a resume reads every byte of the files it opens against their checksums, skipping a damaged set:
+        # only a look at every byte names what it takes
+        taken = ("what --resume_from=latest takes" if verify else
+                 "unverified: --resume_from=latest takes it where its checksums match, --verify checks them")
+        return "\n".join(lines + [f"the newest complete, {name} ({taken}):"] + _report(read, kind)), True
     step = sharded_step(path)
     if step is None and not path.endswith(".pth"):
         raise UserError(f"{path} is not named as a checkpoint (a .pth file, fsdp_sharded_cpt{{step}}_rank{{r}}.pth "
