@@ -59,11 +59,12 @@ def validate_model(cfg: TrainConfig) -> None:
     check_window(cfg)  # after rope_pattern: it reads which layers rotate
     require(cfg.logit_softcap is None or cfg.logit_softcap > 0,
             f"logit_softcap must be positive (or null: off), got {cfg.logit_softcap}")
-    # each block starts the gathers of the ones after it: a depth past the last block would say more
-    # than the run does (init_from's folder sets n_layer, so this waits for the model's keys)
+    # each unit starts the gathers of the ones after it, a unit holding a block or more: a depth past the
+    # last block can't be run by any layout (init_from's folder sets n_layer, so this waits for the model's
+    # keys); one past the units that fsdp_blocks_per_unit makes is cut to them, said at start-up (parallelize)
     require(cfg.fsdp_prefetch < max(cfg.n_layer, 2),
             f"fsdp_prefetch={cfg.fsdp_prefetch} reaches past the model's {cfg.n_layer} blocks: at most "
-            f"{max(cfg.n_layer - 1, 1)} (each block prefetches the blocks after it)")
+            f"{max(cfg.n_layer - 1, 1)} (each unit, of one block or more, prefetches the units after it)")
     check_moe(cfg)
     check_context_parallel(cfg)
     # resolved, as the run prints its config and its checkpoints keep it: a reader of the checkpoint
@@ -92,6 +93,7 @@ def validate_run(cfg: TrainConfig) -> None:
     require(cfg.fsdp_size is None or cfg.fsdp_size > 0, f"fsdp_size must be positive, got {cfg.fsdp_size}")
     require(cfg.fsdp_prefetch >= 0, f"fsdp_prefetch must be 0 or more blocks, got {cfg.fsdp_prefetch}")
     require(cfg.fsdp or not cfg.fsdp_prefetch, "fsdp_prefetch needs fsdp: true (DDP has no all-gathers to prefetch)")
+    require(cfg.fsdp or cfg.fsdp_blocks_per_unit == "auto", "fsdp_blocks_per_unit needs fsdp: true (DDP has no FSDP units)")
     require(cfg.fsdp_blocks_per_unit == "auto" or (type(cfg.fsdp_blocks_per_unit) is int and cfg.fsdp_blocks_per_unit >= 1),
             f"fsdp_blocks_per_unit must be auto or 1 or more blocks, got {cfg.fsdp_blocks_per_unit!r}")
     # the experts are FSDP units of their own, which the blocks' lists would skip: their gathers

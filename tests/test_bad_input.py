@@ -61,6 +61,7 @@ def one_line(code, capsys, *phrases):
     ({"fsdp_prefetch": 1, "fsdp": False}, ["fsdp_prefetch needs fsdp: true"]),
     ({"arch": "llama", "moe_experts": 4, "ep_size": 2, "fsdp_prefetch": 1}, ["fsdp_prefetch with ep_size > 1"]),
     ({"n_layer": 4, "fsdp_prefetch": 100}, ["fsdp_prefetch=100 reaches past the model's 4 blocks: at most 3"]),
+    ({"fsdp": False, "fsdp_blocks_per_unit": 2}, ["fsdp_blocks_per_unit needs fsdp: true (DDP has no FSDP units)"]),
     # lists of names are the tables' (config.py's, families/'s): a new entry needs no edit here
     ({"fp8": "e4m3"}, [f"fp8 'e4m3' is not one of {', '.join(FP8_RECIPES)} (null: off)", "tensorwise"]),
     ({"fp8": "tensorwise", "fp8_layers": "most"}, [f"fp8_layers 'most' is not one of {', '.join(FP8_LAYERS)}"]),

@@ -8,7 +8,8 @@ from fsdp_gpt.config_parse import parse_args
 from fsdp_gpt.distributed import fsdp_units
 from fsdp_gpt.distributed.fsdp_units import UnitLayout, auto_layout, choose_layout
 from fsdp_gpt.model import GPT, GPTConfig
-from conftest import DEMO, ROOT
+from conftest import DEMO, ROOT, TINY, overrides
+from test_bad_input import train_in_process
 
 H100_BF16 = 989e12
 
@@ -108,3 +109,20 @@ def test_the_key_refuses_what_is_not_auto_or_a_positive_count():
     for value in ("0", "some", "-2"):
         with pytest.raises(UserError, match="fsdp_blocks_per_unit must be auto or 1 or more blocks"):
             parse_args([DEMO, f"--fsdp_blocks_per_unit={value}"])
+
+
+@pytest.mark.parametrize("settings, said", [
+    # one process runs unwrapped: nothing to lay out
+    (dict(fsdp_blocks_per_unit=2), "note: fsdp_blocks_per_unit=2 takes no effect: one process runs the model unwrapped, "
+                                   "nothing sharded (force_fsdp: true wraps it)"),
+    # the depth counts units: 3 blocks in units of 2 and 1 prefetch one ahead at most
+    (dict(force_fsdp=True, n_layer=3, fsdp_blocks_per_unit=2, fsdp_prefetch=2),
+     "note: fsdp_prefetch=2 reaches past the 2 FSDP units of this layout: prefetching 1"),
+    (dict(force_fsdp=True, fsdp_blocks_per_unit=2, fsdp_prefetch=1),
+     "note: fsdp_prefetch=1 reaches past the 1 FSDP unit of this layout: nothing to prefetch (the whole model one unit)"),
+])
+def test_a_key_the_layout_takes_no_effect_of_says_so(settings, said, corpus, tmp_path, monkeypatch, capsys):
+    argv = [DEMO] + overrides(**(TINY | corpus | dict(max_iters=1, eval_interval=100, checkpoint_dir="ckpt",
+                                                       tensorboard_dir="tb") | settings))
+    assert train_in_process(argv, tmp_path, monkeypatch) == 0
+    assert said in capsys.readouterr().out.splitlines()

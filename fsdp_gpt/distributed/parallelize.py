@@ -10,7 +10,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.nn.parallel import DistributedDataParallel
 
 from fsdp_gpt.compat import average_over_gloo
-from fsdp_gpt.config import UserError
+from fsdp_gpt.config import FIELDS, UserError
 from fsdp_gpt.distributed.context_parallel import apply_context_parallel, swaps_attention
 from fsdp_gpt.distributed.ring_attention import ring_refusal
 from fsdp_gpt.distributed.expert_parallel import apply_expert_parallel, shard_experts
@@ -54,6 +54,11 @@ def build_model(cfg, gpt_cfg: GPTConfig, topo: Topology) -> torch.nn.Module:
     if cfg.compile:
         compile_model(model, cfg.compile_mode)
     param_device = topo.device
+    unused = [f"{key}={getattr(cfg, key)}" for key in ("fsdp_blocks_per_unit", "fsdp_prefetch")
+              if getattr(cfg, key) != FIELDS[key].default]
+    if topo.wrap == "none" and unused and topo.is_main:  # (DDP refuses them: config_checks)
+        print(f"note: {' and '.join(unused)} take{'s' * (len(unused) == 1)} no effect: one process runs the model unwrapped, nothing sharded "
+              f"(force_fsdp: true wraps it)", flush=True)
     if topo.wrap == "fsdp":
         _, reshard = STRATEGY_TABLE[cfg.sharding_strategy]
         dtype = compute_dtype(cfg.dtype, topo.device)
@@ -76,7 +81,7 @@ def build_model(cfg, gpt_cfg: GPTConfig, topo: Topology) -> torch.nn.Module:
                 shard_experts(moe, topo, keep, shard_args)  # units of their own, on the experts' mesh
             if units:
                 fully_shard(unit, reshard_after_forward=keep, **shard_args)  # one gather, one set of hooks
-        prefetch(units, cfg.fsdp_prefetch)
+        prefetch(units, cfg.fsdp_prefetch, topo.is_main)
         fully_shard(model, **shard_args)  # the root: embeddings, final norm, tied LM head (and the blocks, if one unit)
         for unit in (*(u[0] for u in units), model):  # a unit's modules share one FSDP state
             average_over_gloo(unit, topo.device)
@@ -97,11 +102,19 @@ def build_model(cfg, gpt_cfg: GPTConfig, topo: Topology) -> torch.nn.Module:
     return model
 
 
-def prefetch(units: list[list[torch.nn.Module]], depth: int) -> None:
+def prefetch(units: list[list[torch.nn.Module]], depth: int, says: bool) -> None:
     """Explicit prefetch (depth > 0): unit i's forward starts the all-gathers of units i+1 ..
     i+depth, its backward those of i-1 .. i-depth. FSDP2's own order (0) keeps one unit ahead;
     depth 1 gives the same overlap with the gather issued earlier from the host, and each depth
-    beyond holds one more gathered unit. A unit's first block stands for it (they share one state)."""
+    beyond holds one more gathered unit. A unit's first block stands for it (they share one state).
+    A depth past the layout's units (fsdp_blocks_per_unit: auto decides them at start-up) is cut to
+    what they allow, said where `says` (rank 0)."""
+    most = max(len(units) - 1, 0)
+    if depth > most and says:
+        print(f"note: fsdp_prefetch={depth} reaches past the {len(units) or 1} FSDP unit{'s' * (len(units) > 1)} of "
+              f"this layout: {f'prefetching {most}' if most else 'nothing to prefetch (the whole model one unit)'}",
+              flush=True)
+    depth = min(depth, most)
     if depth:
         heads = [unit[0] for unit in units]
         for i, head in enumerate(heads):
