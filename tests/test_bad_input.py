@@ -222,6 +222,14 @@ def test_missing_rank_file(checkpoints, corpus, tmp_path):
     assert_one_line_error(result, "not found", "fsdp_sharded_cpt6_rank0.pth")
 
 
+def test_a_rank_file_the_set_lacks_is_not_the_set(checkpoints, corpus, tmp_path):
+    """rank 5 of a 2-rank set: refused, not resumed as the set its name would stand for (it resumed)."""
+    path = os.path.join(checkpoints["sharded"], "fsdp_sharded_cpt6_rank5.pth")
+    result = run_trainer(str(tmp_path), resume_from=path, check=False, **corpus)
+    assert_one_line_error(result, f"{path} not found: {checkpoints['sharded']}/ holds the files of ranks 0, 1 of step "
+                                  f"6's sharded set")
+
+
 def test_incomplete_sharded_checkpoint(checkpoints, corpus, tmp_path):
     directory = copy_of(checkpoints, "sharded", tmp_path)
     os.remove(os.path.join(directory, "fsdp_sharded_cpt6.complete"))

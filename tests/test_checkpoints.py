@@ -103,6 +103,16 @@ def test_consolidated_sharded_equals_full(two_rank_runs, tmp_path):
     assert all(torch.equal(by_marker[name], tensor) for name, tensor in full["model"].items())
 
 
+def test_the_last_line_names_the_newest_checkpoint_as_its_save_did(two_rank_runs):
+    """A sharded set by its marker (what --resume_from and every tool take), in the save's line and the last."""
+    run = two_rank_runs["sharded"]
+    with open(os.path.join(run, "stdout.txt")) as f:
+        out = f.read().splitlines()
+    marker = os.path.join(run, "ckpt", "fsdp_sharded_cpt6.complete")
+    assert f"saved checkpoint {marker}" in out
+    assert out[-1] == f"done: last checkpoint {marker}, TensorBoard logs in {os.path.join(run, 'tb')}/"
+
+
 def test_the_inspector_says_what_a_checkpoint_holds(two_rank_runs, corpus, tmp_path, capsys):
     """python fsdp_ckpt.py PATH: a folder's checkpoints and its newest one's fields, a full file's; the
     tokens seen are the state's, in both formats; an incomplete set and a damaged file are said to be

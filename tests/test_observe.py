@@ -12,7 +12,8 @@ import types
 import pytest
 import torch
 
-from conftest import ROOT, figures, records, run_trainer, scalars
+from conftest import DEMO, ROOT, TINY, figures, overrides, records, run_trainer, scalars
+from test_bad_input import train_in_process
 from fsdp_gpt.distributed import peak_flops
 from fsdp_gpt.observe import metrics
 from fsdp_gpt.observe.figures_file import FiguresFile
@@ -182,7 +183,8 @@ def test_a_figure_reaches_the_console_by_its_row_alone(tmp_path, monkeypatch, ca
 def test_the_figures_file_holds_each_step_once_across_a_resume(tmp_path):
     """metrics.jsonl: a resumed run keeps the records up to its step and appends after them (what an
     abandoned stretch wrote past it goes, as TensorBoard's purge_step hides it); a line a killed run
-    cut short is dropped; a non-finite figure is JSON's null; a fresh run starts the file anew."""
+    cut short is dropped; a non-finite figure is JSON's null; a fresh run starts the file anew, the
+    earlier run's moved beside it."""
     run = str(tmp_path)
     first = FiguresFile(run)
     for step in (1, 2, 3):
@@ -196,8 +198,28 @@ def test_the_figures_file_holds_each_step_once_across_a_resume(tmp_path):
     resumed.write("train", 3, {"train/loss": 30.0})
     resumed.close()
     assert figures(run, "train/loss") == {1: 1.0, 2: 2.0, 3: 30.0} and figures(run, "val/loss") == {}
+    before = records(run)
     FiguresFile(run).close()
-    assert records(run) == []
+    assert records(run) == [] and [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl.earlier"))] == before
+
+
+def test_a_fresh_run_into_an_earlier_runs_logs_replaces_them_and_says_so(corpus, tmp_path, monkeypatch, capsys):
+    """TensorBoard shows the new run alone (the earlier events purged from step 0, their files kept), as
+    metrics.jsonl holds it alone (the earlier one moved to metrics.jsonl.earlier)."""
+    def run(max_iters: int, checkpoint_dir: str) -> list[str]:
+        argv = [DEMO] + overrides(**(TINY | corpus | dict(max_iters=max_iters, eval_interval=100, save_interval=100,
+                                                           checkpoint_dir=checkpoint_dir, tensorboard_dir="tb")))
+        assert train_in_process(argv, tmp_path, monkeypatch) == 0
+        return capsys.readouterr().out.splitlines()
+    assert not any("earlier run" in line for line in run(3, "first"))
+    said = run(2, "second")
+    assert ("note: tb/ holds an earlier run's TensorBoard events: this run replaces them in TensorBoard's view (purged "
+            "from step 0; their files stay), and its metrics.jsonl moves to metrics.jsonl.earlier; a tensorboard_dir of "
+            "its own keeps both runs in view") in said
+    tb = str(tmp_path / "tb")
+    assert sorted(scalars(tb, "train/loss")) == [1, 2] and sorted(figures(tb, "train/loss")) == [1, 2]
+    earlier = [json.loads(line) for line in open(os.path.join(tb, "metrics.jsonl.earlier"))]
+    assert [r["step"] for r in earlier if r["kind"] == "train"] == [1, 2, 3]
 
 
 def wandb_history(run_folder: str) -> tuple[str, dict[int, dict]]:

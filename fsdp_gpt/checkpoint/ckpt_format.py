@@ -55,6 +55,20 @@ def sharded_step(path: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def check_named_rank_file(path: str) -> None:
+    """Any rank's file names its whole set, if it exists: one that doesn't beside the set's others (rank 5
+    of a 2-rank set, a typo) is refused, naming the ranks whose files the folder holds ({rank} and the
+    marker name the set; a set of which nothing is there is not found as a set is)."""
+    named = SHARD_RE.search(os.path.basename(path))
+    if named and named.group(2) != "{rank}" and not os.path.isfile(path):
+        directory, step = os.path.dirname(path) or ".", int(named.group(1))
+        ranks = sorted(int(m.group(2)) for name in (os.listdir(directory) if os.path.isdir(directory) else [])
+                       if (m := SHARD_RE.fullmatch(name)) and int(m.group(1)) == step)
+        if ranks:
+            raise UserError(f"{path} not found: {directory}/ holds the files of ranks {', '.join(map(str, ranks))} of "
+                            f"step {step}'s sharded set")
+
+
 class CorruptCheckpoint(UserError):
     """A checkpoint that is damaged or incomplete (as opposed to one that doesn't fit)."""
 
@@ -339,6 +353,7 @@ def consolidate(shard_file: str, out_path: str) -> None:
     if (step := sharded_step(shard_file)) is None:
         raise UserError(f"{shard_file} is not named as a sharded checkpoint (fsdp_sharded_cpt{{step}}_rank{{rank}}.pth or "
                         f"its .complete marker)")
+    check_named_rank_file(shard_file)
     files = read_sharded(os.path.dirname(shard_file), step)
     first = files[0]
     state = {name: {key: _whole([f["optimizer"][name][key] for f in files]) if isinstance(value, dict) else value
@@ -358,6 +373,7 @@ def read_model(path: str) -> tuple[dict, dict]:
         step, kind = found[0]
         path = full_path(path, step) if kind == "full" else shard_path(path, step, 0)
     if (step := sharded_step(path)) is not None:
+        check_named_rank_file(path)
         files = read_sharded(os.path.dirname(path), step)
         return files[0], _whole_model(files)
     ckpt = load_full(path)

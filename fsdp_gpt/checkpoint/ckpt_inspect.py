@@ -16,8 +16,8 @@ import torch
 import yaml
 
 from fsdp_gpt.checkpoint.ckpt_format import (
-    FULL_RE, MARKER_RE, SHARD_RE, CorruptCheckpoint, full_path, load_file, load_full, marker_path, open_rank_files,
-    read_marker, shard_path, sharded_step)
+    FULL_RE, MARKER_RE, SHARD_RE, CorruptCheckpoint, check_named_rank_file, full_path, load_file, load_full, marker_path,
+    open_rank_files, read_marker, shard_path, sharded_step)
 from fsdp_gpt.checkpoint.ckpt_index import check_file, check_whole
 from fsdp_gpt.checkpoint.run_state import tokens_seen
 from fsdp_gpt.config import FIELDS, UserError
@@ -187,6 +187,7 @@ def inspect(path: str, verify: bool = False) -> tuple[str, bool]:
     if step is None and not path.endswith(".pth"):
         raise UserError(f"{path} is not named as a checkpoint (a .pth file, fsdp_sharded_cpt{{step}}_rank{{r}}.pth "
                         f"or its .complete marker), nor a folder")
+    check_named_rank_file(path)
     if not os.path.exists(path) and "{rank}" not in path:
         raise UserError(f"{path} not found")
     kind = "full" if step is None else "sharded"  # a full file under any name: the one given, read as it is

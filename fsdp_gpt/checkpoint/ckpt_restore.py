@@ -14,8 +14,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
 from fsdp_gpt.checkpoint.ckpt_format import (
-    LOAD_OPTIONS, check_model_shape, fill_local, is_first_replica, load_full, marker_path, open_rank_files,
-    read_marker, read_sharded, rope_base_moves, shard_path, sharded_step)
+    LOAD_OPTIONS, check_model_shape, check_named_rank_file, fill_local, is_first_replica, load_full, marker_path,
+    open_rank_files, read_marker, read_sharded, rope_base_moves, shard_path, sharded_step)
 from fsdp_gpt.checkpoint.ckpt_index import check_file, check_whole, files_to_open, model_key, wanted_rows
 from fsdp_gpt.checkpoint.run_state import resumed_train_state
 from fsdp_gpt.config import UserError
@@ -45,7 +45,7 @@ class CheckpointReader:
         (its step, its train_state), on every rank. A damaged file raises CorruptCheckpoint before
         the model is touched, on every rank alike."""
         if (step := sharded_step(path)) is not None:
-            return self._load_sharded(os.path.dirname(path), step, model, optimizer)
+            return self._load_sharded(path, step, model, optimizer)
         return self._load_full(path, model, optimizer)
 
     def _load_full(self, path: str, model, optimizer) -> tuple[int, dict]:
@@ -60,10 +60,10 @@ class CheckpointReader:
         set_optimizer_state_dict(model, optimizer, ckpt.get("optimizer", {}), options=LOAD_OPTIONS)
         return header[0], header[1]
 
-    def _load_sharded(self, directory: str, step: int, model, optimizer) -> tuple[int, dict]:
-        names = parameter_names(model)
+    def _load_sharded(self, path: str, step: int, model, optimizer) -> tuple[int, dict]:
+        directory, names = os.path.dirname(path), parameter_names(model)
         # rank 0 reads the marker once for every rank, and checks from its index that the set is whole
-        marker = decided_on_rank0(lambda: self._read_marker(directory, step))
+        marker = decided_on_rank0(lambda: self._read_marker(path, step))
         # who wrote a slice reads it (the first replica of a shard; rank 0 a whole tensor); the others receive it (below)
         reads = {p: is_first_replica(p, self.topo.rank) for p in names}
         files = agree(lambda: self._open_needed(directory, marker, names, reads) if any(reads.values()) else [])
@@ -108,7 +108,10 @@ class CheckpointReader:
                 dist.broadcast(local_slice(t)[0], group=group, group_src=0)
 
     @staticmethod
-    def _read_marker(directory: str, step: int) -> dict:
+    def _read_marker(path: str, step: int) -> dict:
+        """The marker of the set `path` names (a rank's file, which must exist, the {rank} pattern or the marker)."""
+        check_named_rank_file(path)
+        directory = os.path.dirname(path)
         marker = read_marker(directory, step)
         if "index" in marker:
             check_whole(marker["index"], marker_path(directory, step))

@@ -65,7 +65,8 @@ class CheckpointManager:
         self.cfg, self.topo, self.dir = cfg, topo, cfg.checkpoint_dir.rstrip("/") or "/"
         self.reader = CheckpointReader(cfg, topo)
         self._pending = None  # the save being written: step, paths, thread, error
-        self.last_saved = None  # this rank's file of the newest finished save, or the one resumed from
+        # the newest finished save as its line names it (a sharded set's marker), or the checkpoint resumed from
+        self.last_saved = None
         self.train_state = {}  # the resumed checkpoint's train_state, on every rank
         self.owners = {}  # {name: what keeps its state in train_state under that name} (keep())
         self.failed = None  # why the newest save failed (None: it succeeded), on every rank
@@ -164,9 +165,9 @@ class CheckpointManager:
             agree(lambda: save_atomically({"step": pending["step"], "world_size": self.topo.world_size,
                                            "index": build_index(layouts)}, pending["marker"]) if self.topo.is_main
                   else None)  # a disk too full for the marker's few bytes stops every rank
-        self.last_saved = pending["path"]
+        self.last_saved = pending["marker"] or pending["path"]
         if self.topo.is_main:
-            print(f"saved checkpoint {pending['marker'] or pending['path']}", flush=True)
+            print(f"saved checkpoint {self.last_saved}", flush=True)
         self._prune(pending["step"])
 
     def _land_write(self) -> None:

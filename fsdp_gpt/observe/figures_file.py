@@ -8,7 +8,8 @@ this file (docs/logging.md).
 
 A resumed run keeps the records up to the step it resumed from and appends after them: what an
 abandoned stretch of the run wrote past that step goes, as TensorBoard's purge_step hides it, so
-each step is in the file once, with the resumed run's values. A fresh run starts the file anew.
+each step is in the file once, with the resumed run's values. A fresh run starts the file anew, an
+earlier run's moved to metrics.jsonl.earlier (as TensorBoard's view of it is hidden: metrics.py).
 """
 import json
 import math
@@ -16,6 +17,7 @@ import os
 import time
 
 FILE = "metrics.jsonl"
+EARLIER = FILE + ".earlier"  # where a fresh run moves an earlier run's file
 
 
 def figures_path(tb_dir: str) -> str:
@@ -39,6 +41,8 @@ class FiguresFile:
 
     def __init__(self, tb_dir: str, resumed_at: int = 0):
         self.path = figures_path(tb_dir)
+        if not resumed_at and os.path.isfile(self.path):
+            os.replace(self.path, os.path.join(tb_dir, EARLIER))
         kept = [r for r in read_records(tb_dir) if r["step"] <= resumed_at] if resumed_at else []
         with open(f"{self.path}.tmp", "w") as f:  # also drops a line a killed run cut short
             f.writelines(map(_line, kept))

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from fsdp_gpt.compat import all_gather_flat
 from fsdp_gpt.distributed.shards import local_part
 from fsdp_gpt.distributed.peak_flops import cpu_peak_flops, gpu_peak_flops
-from fsdp_gpt.observe.figures_file import FiguresFile
+from fsdp_gpt.observe.figures_file import EARLIER, FiguresFile
 from fsdp_gpt.observe.step_times import COLUMNS as TIME_COLUMNS
 from fsdp_gpt.observe.wandb_log import WandbRun
 
@@ -121,7 +121,8 @@ class ProgressLog:
                  dtype: torch.dtype, world_size: int, resumed_at: int = 0, wandb_id: str | None = None):
         """resumed_at: the step a resumed run continues after. What an abandoned stretch of the run
         logged past it is purged from TensorBoard's view (purge_step), so each step shows once,
-        with the resumed run's values. wandb_id: the wandb run to log to (wandb_log.run_id), or None."""
+        with the resumed run's values; a fresh run into an earlier run's folder purges all of it (from
+        step 0), said in a note. wandb_id: the wandb run to log to (wandb_log.run_id), or None."""
         self.enabled, self.max_iters, self.straggler_ratio = enabled, cfg.max_iters, cfg.straggler_ratio
         self.spike_skip = cfg.spike_skip
         self.tokens_per_step, self.flops_per_token, self.peak_flops = tokens_per_step, flops_per_token, None
@@ -129,7 +130,13 @@ class ProgressLog:
         if enabled:  # the other ranks neither log nor measure (a CPU's peak is measured, not looked up)
             from torch.utils.tensorboard import SummaryWriter
             os.makedirs(cfg.tensorboard_dir, exist_ok=True)
-            self.writer = SummaryWriter(log_dir=cfg.tensorboard_dir, purge_step=resumed_at + 1 if resumed_at else None)
+            earlier = not resumed_at and bool(glob.glob(os.path.join(cfg.tensorboard_dir, "events.*")))
+            if earlier:
+                print(f"note: {cfg.tensorboard_dir}/ holds an earlier run's TensorBoard events: this run replaces them "
+                      f"in TensorBoard's view (purged from step 0; their files stay), and its metrics.jsonl moves to "
+                      f"{EARLIER}; a tensorboard_dir of its own keeps both runs in view", flush=True)
+            self.writer = SummaryWriter(log_dir=cfg.tensorboard_dir,
+                                        purge_step=resumed_at + 1 if resumed_at else 0 if earlier else None)
             self.figures = FiguresFile(cfg.tensorboard_dir, resumed_at)
             self.wandb = wandb_id and WandbRun(cfg, wandb_id)
             if device.type == "cuda":
@@ -229,33 +236,37 @@ class ProgressLog:
 
 
 # ---- reading the events back (tests, bench/compare_runs.py) ----
-def _event_files(tb_dir: str):
-    """An EventAccumulator per TensorBoard events file in tb_dir, oldest first."""
+def _events(tb_dir: str) -> tuple[dict, dict]:
+    """({tag: {step: value}} of the scalars, {tag: {step: text}} of the texts) of tb_dir's events, read as
+    TensorBoard reads the folder: its files in order, a resumed or fresh run's purge hiding what an
+    earlier one logged from its purge step on. Empty where there are no events."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    for path in sorted(glob.glob(os.path.join(tb_dir, "events.*"))):
-        acc = EventAccumulator(path, size_guidance={"scalars": 0, "tensors": 0})
+    from tensorboard.util import tb_logging
+    if not glob.glob(os.path.join(tb_dir, "events.*")):
+        return {}, {}
+    acc = EventAccumulator(tb_dir, size_guidance={"scalars": 0, "tensors": 0})
+    logger, level = tb_logging.get_logger(), tb_logging.get_logger().level
+    logger.setLevel("ERROR")  # each purge's warning blames "a TensorFlow restart"
+    try:
         acc.Reload()
-        yield acc
+    finally:
+        logger.setLevel(level)
+    tags = acc.Tags()
+    return ({tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in tags["scalars"]},
+            {tag.removesuffix("/text_summary"): {e.step: e.tensor_proto.string_val[0].decode() for e in acc.Tensors(tag)}
+             for tag in tags["tensors"] if tag.endswith("/text_summary")})
 
 
 def scalar_tags(tb_dir: str) -> set[str]:
-    """Every scalar tag in tb_dir's events files."""
-    return {tag for acc in _event_files(tb_dir) for tag in acc.Tags()["scalars"]}
+    """Every scalar tag in tb_dir's events."""
+    return set(_events(tb_dir)[0])
 
 
 def read_scalars(tb_dir: str, tag: str) -> dict[int, float]:
-    """{step: value} of one TensorBoard tag across every events file in tb_dir."""
-    values = {}
-    for acc in _event_files(tb_dir):
-        if tag in acc.Tags()["scalars"]:
-            values |= {e.step: e.value for e in acc.Scalars(tag)}
-    return values
+    """{step: value} of one TensorBoard tag, as TensorBoard shows it."""
+    return _events(tb_dir)[0].get(tag, {})
 
 
 def read_texts(tb_dir: str, tag: str) -> dict[int, str]:
     """{step: text} of one TensorBoard text tag."""
-    values = {}
-    for acc in _event_files(tb_dir):
-        if f"{tag}/text_summary" in acc.Tags()["tensors"]:
-            values |= {e.step: e.tensor_proto.string_val[0].decode() for e in acc.Tensors(f"{tag}/text_summary")}
-    return values
+    return _events(tb_dir)[1].get(tag, {})
