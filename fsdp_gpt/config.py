@@ -16,6 +16,12 @@ class UserError(Exception):
     """Bad input from the user: reported as one line and exit 2, never a traceback."""
 
 
+def in_one_line(error: BaseException) -> str:
+    """A library's own words for an error, on one line: its first line whole (often the only clue: torch's
+    zip reader names the record it failed on past 120 characters), or its type where it says nothing."""
+    return str(error).splitlines()[0] if str(error).strip() else type(error).__name__
+
+
 class RunStopped(Exception):
     """A run that can't go on through no fault of its input (too many non-finite steps): one line
     and exit 1, on every rank."""

@@ -199,6 +199,26 @@ def test_a_full_disk_during_a_save_keeps_training_and_loses_nothing_saved(kind, 
     assert f"at step {saved[-1]}" in resumed.stdout.split("resumed from ")[1].splitlines()[0]
 
 
+def test_a_damaged_file_is_named_with_torchs_whole_reason(tmp_path):
+    """8 bytes flipped near a checkpoint's start: torch's zip reader names the record it failed on, which the
+    refusal gives whole (it was cut at 120 characters: the clue may lie past them)."""
+    import torch
+    from fsdp_gpt.checkpoint import ckpt_format
+    path = str(tmp_path / "fsdp_cpt1.pth")
+    ckpt_format.save_atomically({"model": {"w": torch.randn(1000, 100)}, "step": 1}, path)
+    data = bytearray(open(path, "rb").read())
+    for i in range(len(data) // 1000, len(data) // 1000 + 8):
+        data[i] ^= 0xFF
+    open(path, "wb").write(data)
+    with pytest.raises(RuntimeError) as torchs:
+        torch.load(path, weights_only=True, mmap=True)
+    reason = str(torchs.value).splitlines()[0]
+    assert "failed reading file" in reason and len(reason) > 120
+    with pytest.raises(ckpt_format.CorruptCheckpoint) as refused:
+        ckpt_format.read_verified(path, mmap=True)
+    assert str(refused.value) == f"checkpoint {path} is corrupt or truncated ({reason}); resume from an earlier checkpoint"
+
+
 def test_the_os_reason_of_a_failed_write_is_named(tmp_path):
     """A file size limit (EFBIG) stands for quotas and I/O errors: the OS's reason, no temp file."""
     from fsdp_gpt.checkpoint import ckpt_format

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
 
-from fsdp_gpt.config import UserError
+from fsdp_gpt.config import UserError, in_one_line
 from fsdp_gpt.distributed.float8 import plain
 from fsdp_gpt.distributed.shards import local_slice
 from fsdp_gpt.families import FAMILIES
@@ -124,7 +124,7 @@ def _write_failure(path: str, error: BaseException, obj: dict) -> str:
             reason += (f": it needs about {_megabytes(needed)}, "
                        f"{_megabytes(shutil.disk_usage(os.path.dirname(path) or '.').free)} free there")
     else:
-        reason = str(error).splitlines()[0][:160] if str(error) else type(error).__name__
+        reason = in_one_line(error)
     return f"writing checkpoint {path} failed: {reason}"
 
 
@@ -168,7 +168,7 @@ def read_verified(path: str, mmap: bool = False, checksum: bool = True) -> dict:
         # other OSError is the filesystem failing, not the file: an error, never "damaged, skip it"
         if isinstance(e, OSError) and e.errno != errno.EINVAL:
             raise UserError(f"could not read checkpoint {path}: {e}; check the filesystem and run again")
-        raise CorruptCheckpoint(f"checkpoint {path} is corrupt or truncated ({str(e).splitlines()[0][:120]}); "
+        raise CorruptCheckpoint(f"checkpoint {path} is corrupt or truncated ({in_one_line(e)}); "
                                 f"resume from an earlier checkpoint")
     written = obj.pop("crc32", None) if isinstance(obj, dict) else None
     if written is None:  # every file this trainer writes carries one (save_atomically)

@@ -12,7 +12,7 @@ would shadow it for every file.)
 import hashlib
 import os
 
-from fsdp_gpt.config import UserError
+from fsdp_gpt.config import UserError, in_one_line
 from fsdp_gpt.files import read_json
 
 
@@ -47,7 +47,7 @@ class HFTokenizer:
         try:
             self.tokenizer = tokenizers.Tokenizer.from_file(file)
         except Exception as e:  # noqa: BLE001 - the library raises its own exception types
-            raise UserError(f"tokenizer {file} does not parse: {str(e).splitlines()[0][:160]}")
+            raise UserError(f"tokenizer {file} does not parse: {in_one_line(e)}")
         with open(file, "rb") as f:
             self.sha256 = hashlib.sha256(f.read()).hexdigest()
         self.name = os.path.abspath(path)
