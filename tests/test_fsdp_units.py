@@ -95,9 +95,9 @@ def test_auto_on_this_cpu(monkeypatch):
         pytest.skip("/proc/cpuinfo tells no vector width or clock here: auto times a matmul instead")
     monkeypatch.setattr(fsdp_units, "device_peak_flops", lambda device, dtype: one_thread[0])
     cpu = torch.device("cpu")
-    for overrides in (["--n_layer=2", "--n_head=2", "--n_embd=64", "--block_size=32", "--micro_batch=2"],
-                      ["--n_layer=12", "--n_head=2", "--n_embd=32", "--block_size=32", "--micro_batch=1"]):
-        model, tokens = meta_model("demo_cpu.yaml", *overrides)
+    for keys in (["--n_layer=2", "--n_head=2", "--n_embd=64", "--block_size=32", "--micro_batch=2"],
+                 ["--n_layer=12", "--n_head=2", "--n_embd=32", "--block_size=32", "--micro_batch=1"]):
+        model, tokens = meta_model("demo_cpu.yaml", *keys)
         assert auto_layout(model, tokens, cpu, torch.float32).whole_model
     model, tokens = meta_model("demo_cpu.yaml", "--n_layer=8", "--n_head=8", "--n_embd=512", "--block_size=64",
                                "--micro_batch=1")
