@@ -65,16 +65,19 @@ def test_explicit_prefetch_names_the_next_units_each_way():
         def set_modules_to_backward_prefetch(self, blocks):
             self.backward = [b.i for b in blocks]
     blocks = [Block(i) for i in range(4)]
-    prefetch([[b] for b in blocks], 2)
+    prefetch([[b] for b in blocks], 2, says=False)
     assert [b.forward for b in blocks] == [[1, 2], [2, 3], [3], []]
     assert [b.backward for b in blocks] == [[], [0], [1, 0], [2, 1]]
     pairs = [Block(i) for i in range(5)]
-    prefetch([pairs[0:2], pairs[2:4], pairs[4:]], 1)  # units of 2 blocks, the last of 1
+    prefetch([pairs[0:2], pairs[2:4], pairs[4:]], 1, says=False)  # units of 2 blocks, the last of 1
     assert [b.forward for b in pairs] == [[2], None, [4], None, []]
     assert [b.backward for b in pairs] == [[], None, [0], None, [2]]
     untouched = [Block(i) for i in range(4)]
-    prefetch([[b] for b in untouched], 0)  # FSDP2's own order
+    prefetch([[b] for b in untouched], 0, says=False)  # FSDP2's own order
     assert all(b.forward is None and b.backward is None for b in untouched)
+    cut = [Block(i) for i in range(3)]
+    prefetch([[b] for b in cut], 5, says=False)  # past the units: as deep as they allow (2)
+    assert [b.forward for b in cut] == [[1, 2], [2], []] and [b.backward for b in cut] == [[], [0], [1, 0]]
 
 
 def test_units_of_several_blocks_at_three_ranks_match_one_process(corpus, tmp_path_factory):

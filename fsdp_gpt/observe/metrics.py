@@ -244,7 +244,7 @@ def _events(tb_dir: str) -> tuple[dict, dict]:
     from tensorboard.util import tb_logging
     if not glob.glob(os.path.join(tb_dir, "events.*")):
         return {}, {}
-    acc = EventAccumulator(tb_dir, size_guidance={"scalars": 0, "tensors": 0})
+    acc = EventAccumulator(os.fspath(tb_dir), size_guidance={"scalars": 0, "tensors": 0})
     logger, level = tb_logging.get_logger(), tb_logging.get_logger().level
     logger.setLevel("ERROR")  # each purge's warning blames "a TensorFlow restart"
     try:
