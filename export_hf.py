@@ -1,5 +1,5 @@
-"""Export a checkpoint as a Hugging Face folder (needs `pip install transformers`): its family's
-class (fsdp_gpt/families/: GPT2LMHeadModel, LlamaForCausalLM, ..., SmolLM3ForCausalLM).
+"""Export a checkpoint as a Hugging Face folder of its family's class (needs `pip install transformers`).
+The classes are the families' (FAMILIES in fsdp_gpt/families/; --help lists them, docs/families.md too).
 
 python export_hf.py CHECKPOINT OUT_DIR [--dtype fp32|bf16] [--max_shard_size 5GB]
 
@@ -25,6 +25,7 @@ from fsdp_gpt.config import UserError, exit_code
 from fsdp_gpt.data.tokenizer import get_tokenizer
 from fsdp_gpt.data.tokenizer_export import save_tokenizer
 from fsdp_gpt.distributed.float8 import quiet_torchao
+from fsdp_gpt.families import FAMILIES
 from fsdp_gpt.hf_format import fused_like, hf_config, to_hf
 from fsdp_gpt.model import GPTConfig
 
@@ -77,7 +78,8 @@ def export(checkpoint: str, out_dir: str, dtype: str = "fp32", max_shard_size: s
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    classes = ", ".join(f"{family.name} as {family.hf_class}" for family in FAMILIES)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=f"The families' classes: {classes}.")
     parser.add_argument("checkpoint",
                         help="a full file, any rank's file of a sharded set or its .complete marker, or a folder")
     parser.add_argument("out_dir")

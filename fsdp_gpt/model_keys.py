@@ -28,7 +28,7 @@ def key(default, meaning: str, shape: bool = True):
 @dataclass
 class ModelKeys:
     arch: str = key("gpt2", f"the layout, as fsdp_gpt/families/ names it, and its families: {layouts()}; "
-                            f"docs/models.md describes each")
+                            f"docs/families.md describes each")
     vocab_size: int | None = key(None, "embedding rows; null: the data's vocabulary (or the tokenizer's), rounded "
                                        "up to a multiple of 64")
     block_size: int = key(1024, "tokens per sequence (the context length)")

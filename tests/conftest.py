@@ -20,6 +20,14 @@ from fsdp_gpt.data.prepare import prepare_data
 from fsdp_gpt.model import GPT, GPTConfig
 from fsdp_gpt.observe.figures_file import read_figures as figures, read_records as records  # noqa: F401 - likewise
 from fsdp_gpt.observe.metrics import read_scalars as scalars, read_texts as texts  # noqa: F401 - the tests' names for them
+from fsdp_gpt.observe.metrics import scalar_tags, text_tags
+
+
+def written_tags(tb_dir: str) -> set[str]:
+    """Every tag a run wrote: TensorBoard's scalars and texts, and metrics.jsonl's figures (the tags that
+    doc_tables.undeclared checks against their owners' TAGS)."""
+    in_file = {name for record in records(tb_dir) for name in record} - {"step", "time", "kind"}
+    return scalar_tags(tb_dir) | text_tags(tb_dir) | in_file
 
 # Tests run on the CPU wherever they run: the trainer picks CUDA when it sees a GPU, and a 4-rank
 # test on a 1-GPU machine would die of an invalid device ordinal. Set before anything touches CUDA;

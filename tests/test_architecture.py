@@ -17,7 +17,7 @@ ENTRY_POINTS = ["train_fsdp.py", "sample.py", "evaluate.py", "export_hf.py", "da
 FACES = ["model.py", "fsdp_ckpt.py"]  # the design card's files: the package's names for users' imports (test_faces.py)
 # lowest first: a module imports from lower layers and from its own group, never from above or beside
 LAYERS = [("families", "compat"), ("config", "model"), ("files",), ("hf_format", "resilience"), ("distributed",),
-          ("data", "optim", "observe"), ("evaluation", "checkpoint")]
+          ("data", "optim", "observe"), ("evaluation", "checkpoint"), ("doc_tables",)]
 LAYER_OF = {group: i for i, groups in enumerate(LAYERS) for group in groups}
 
 

@@ -55,5 +55,5 @@ def test_docs_config_page_is_the_generated_table():
     from conftest import ROOT
     with open(os.path.join(ROOT, "docs", "config.md")) as f:
         page = f.read()
-    assert config_help.keys_markdown() in page, ('docs/config.md differs from config.py: regenerate its tables with '
-                                                 'python -c "from fsdp_gpt import config_help; print(config_help.keys_markdown())"')
+    assert config_help.keys_markdown() in page, ("docs/config.md differs from config.py: regenerate its tables with "
+                                                 "python -m fsdp_gpt.doc_tables")

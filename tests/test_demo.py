@@ -5,7 +5,8 @@ import sys
 
 import pytest
 
-from conftest import DEMO, ROOT, counted_parameters, figures, records, scalars, texts
+from conftest import DEMO, ROOT, counted_parameters, figures, records, scalars, texts, written_tags
+from fsdp_gpt import doc_tables
 
 pytestmark = [pytest.mark.slow, pytest.mark.compat]
 
@@ -44,5 +45,6 @@ def test_demo_trains_and_val_loss_falls(tmp_path):
     eta = [r["perf/eta_s"] for r in progress.values()]
     assert eta[0] > eta[len(eta) // 2] > eta[-1] == 0, eta
     assert figures(tb, "val/loss") == pytest.approx(val, rel=1e-6)
+    assert not doc_tables.undeclared(written_tags(tb))  # every tag is in docs/logging.md's table
     assert result.stdout.count("note: MFU on the CPU is an estimate") == 1  # said once, at start-up
     assert result.stdout.rstrip().endswith("done: last checkpoint checkpoints/fsdp_cpt200.pth, TensorBoard logs in tensorboard/demo_cpu/")

@@ -10,6 +10,9 @@ download; sample.py: a few tokens; `python -c` and `-m` run the interpreter itse
 the test corpus, prepared. Blocks tagged ```text are shown, not run (multi-node pairs, SLURM,
 outputs, benchmarks that take minutes); every trainer command in them is still parsed against
 the config (test_text_blocks_name_real_keys).
+
+Beside the commands: every link and anchor a page, a docstring or a config gives into docs/ leads
+somewhere, and the lists the pages share are the generated ones (fsdp_gpt/doc_tables.py), current.
 """
 import glob
 import importlib.util
@@ -23,10 +26,10 @@ import yaml
 
 from conftest import ROOT, TINY, overrides, zygote_python
 from launching import ZYGOTE
-from fsdp_gpt import compat
+from fsdp_gpt import compat, doc_tables
 from fsdp_gpt.data.prepare import prepare_data
+from fsdp_gpt.families import FAMILIES
 
-pytestmark = pytest.mark.slow
 SH_BLOCK = re.compile(r"^```sh\n(.*?)^```$", re.S | re.M)
 DOCS = [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
 
@@ -87,6 +90,7 @@ def sandbox(tmp_path, corpus) -> str:
     return str(tmp_path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("doc, number, commands", blocks(), ids=lambda v: str(v).split("\n")[0][:40])
 def test_sh_block_runs(doc, number, commands, corpus, tmp_path):
     if "--fp8=" in commands and not (compat.float8_training() and importlib.util.find_spec("torchao")):
@@ -135,3 +139,65 @@ def test_text_blocks_name_real_keys_and_files():
                 parse_args(rest)  # a renamed key or a bad value raises UserError, naming it
                 checked += 1
     assert checked > 10
+
+
+def test_the_generated_parts_are_current():
+    """A page's list of the families, the config keys or the TensorBoard tags is what their sources make."""
+    assert not doc_tables.stale(), f"{doc_tables.stale()}: regenerate with python -m fsdp_gpt.doc_tables"
+
+
+def test_no_page_lists_the_families_by_hand():
+    """Outside the generated parts no paragraph names every family (or all but one): a list kept by hand
+    would miss the next family."""
+    names = [re.compile(rf"(?<![\w-]){re.escape(f.name)}(?![\w-])") for f in FAMILIES]
+    for path in DOCS:
+        for paragraph in re.split(r"\n\s*\n", doc_tables.PART.sub("", open(path).read())):
+            named = sum(bool(name.search(paragraph)) for name in names)
+            assert named < len(names) - 1, f"{os.path.relpath(path, ROOT)} names {named} families by hand: " \
+                                          f"{paragraph[:200]}"
+
+
+def anchors(path: str) -> set[str]:
+    """The anchors GitHub gives a page's headings (code blocks' lines are no headings)."""
+    text = FENCE.sub("", open(path).read())
+    seen = {}
+    for title in re.findall(r"^#{1,6} (.+)$", text, re.M):
+        slug = re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
+        seen[slug] = seen.get(slug, -1) + 1
+        if seen[slug]:
+            seen[f"{slug}-{seen[slug]}"] = 0
+    return set(seen)
+
+
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+DOC_MENTION = re.compile(r"\bdocs/([\w-]+\.md)(#[\w-]+)?")
+SOURCES = ["*.py", "*.sh", "bench/*.py", "bench/*.sh", "config/*.yaml", "fsdp_gpt/**/*.py", "tests/*.py"]
+
+
+def test_every_link_into_the_docs_leads_somewhere():
+    """Each page's relative links name a file and, with #, a heading of it; so does every page and anchor
+    that code, configs and tests mention (a page split or a heading renamed leaves none dangling)."""
+    targets = []
+    for path in DOCS:
+        for link in LINK.findall(FENCE.sub("", open(path).read())):
+            if not re.match(r"[a-z]+:", link):  # https:, mailto:
+                file, _, anchor = link.partition("#")
+                targets.append((path, os.path.normpath(os.path.join(os.path.dirname(path), file)) if file else path, anchor))
+    for pattern in SOURCES:
+        for path in glob.glob(os.path.join(ROOT, pattern), recursive=True):
+            for name, anchor in DOC_MENTION.findall(open(path).read()):
+                targets.append((path, os.path.join(ROOT, "docs", name), anchor[1:]))
+    assert len(targets) > 50
+    broken = [f"{os.path.relpath(source, ROOT)} -> {os.path.relpath(target, ROOT)}{'#' * bool(anchor)}{anchor}"
+              for source, target, anchor in targets
+              if not os.path.isfile(target) or (anchor and anchor not in anchors(target))]
+    assert not broken, broken
+
+
+def test_the_pages_stay_reference_sized():
+    """A page says what is true now (the history of runs is docs/history.md's): none past 400 lines,
+    the README's front page within 260."""
+    sizes = {os.path.relpath(path, ROOT): len(open(path).read().splitlines()) for path in DOCS}
+    limits = {page: 260 if page == "README.md" else 400 for page in sizes if page != "docs/history.md"}
+    over = {page: f"{sizes[page]} lines, past {limit}" for page, limit in limits.items() if sizes[page] > limit}
+    assert not over, over

@@ -9,7 +9,10 @@ import torch
 from fsdp_gpt.optim import schedule
 from fsdp_gpt.config import TrainConfig
 from fsdp_gpt.config_parse import parse_args
-from conftest import DEMO, ROOT, RUN, TINY, checkpoint_of, evaluated, launcher_once, run_trainer, scalars, shared, tool
+from conftest import (DEMO, ROOT, RUN, TINY, checkpoint_of, evaluated, launcher_once, run_trainer, scalars, shared, tool,
+                      written_tags)
+from fsdp_gpt import doc_tables
+from fsdp_gpt.data.loader import BatchLoader
 from fsdp_gpt.data.prepare import prepare_data
 
 STDLIB = os.path.dirname(os.__file__)
@@ -72,6 +75,8 @@ def test_a_mixture_trains_alike_on_any_world_size(mix_runs):
         for step, value in values.items():
             assert two[tag][step] == pytest.approx(value, rel=1e-4), (tag, step)
     # 6 steps of 24 rows, 3:1: 108 web rows and 36 code rows of 32 tokens
+    tags = written_tags(os.path.join(mix_runs("two", 2), "tb"))  # the loader's tags: declared, each written
+    assert not doc_tables.undeclared(tags) and not doc_tables.unwritten(tags, BatchLoader)
     data = logged(mix_runs("two", 2), "data/web/tokens", "data/code/tokens", "data/web/epoch")
     assert data["data/web/tokens"][6] == 108 * 32 and data["data/code/tokens"][6] == 36 * 32
     assert 0 < data["data/web/epoch"][6] < 1

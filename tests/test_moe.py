@@ -12,6 +12,7 @@ import fsdp_gpt.moe as moe_module
 from conftest import (ROOT, assert_quiet, checkpoint_of, evaluated, hf_val_loss, launch, launcher_once, run_trainer,
                       scalars, stderr_of, tool)
 from test_bad_input import assert_one_line_error
+from fsdp_gpt import doc_tables
 from fsdp_gpt.compat import torch_version
 from fsdp_gpt.config import UserError
 from fsdp_gpt.hf_format import hf_config, hf_model_keys, to_hf
@@ -115,6 +116,7 @@ def test_the_bias_moves_towards_the_mean_load_and_checkpointing_keeps_the_shares
     balance.step()
     assert torch.equal(balance.shares, once)
     figures = balance.scalars()
+    assert not doc_tables.undeclared(figures, [ExpertBalance]) and not doc_tables.unwritten(figures, ExpertBalance)
     assert figures["moe/layer1/busiest"] == pytest.approx(4 * once.max().item())
     assert figures["moe/layer1/bias_range"] == pytest.approx((bias.max() - bias.min()).item())
     assert figures["moe/layer1/bias_range"] > 0

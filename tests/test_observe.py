@@ -12,7 +12,8 @@ import types
 import pytest
 import torch
 
-from conftest import DEMO, ROOT, TINY, figures, overrides, records, run_trainer, scalars
+from conftest import DEMO, ROOT, TINY, figures, overrides, records, run_trainer, scalars, written_tags
+from fsdp_gpt import doc_tables
 from test_bad_input import train_in_process
 from fsdp_gpt.distributed import peak_flops
 from fsdp_gpt.observe import metrics
@@ -178,6 +179,25 @@ def test_a_figure_reaches_the_console_by_its_row_alone(tmp_path, monkeypatch, ca
     assert scalars(str(tmp_path), "grad/wte_abs_mean") == pytest.approx({1: 3.25e-4, 2: 3.25e-4})  # TensorBoard keeps fp32
     assert figures(str(tmp_path), "grad/wte_abs_mean") == {1: 3.25e-4, 2: 3.25e-4}
     assert [(r["kind"], r["train/skipped_steps"], r["moe/idle"]) for r in records(str(tmp_path))] == [("train", 1, 0.25)] * 2
+
+
+def test_the_logger_writes_the_tags_it_declares(tmp_path, monkeypatch):
+    """ProgressLog.TAGS (docs/logging.md's table) is what the logger writes of its own: every tag it
+    writes at a log step and an eval of a run with every figure (2 ranks' memory and times, a mixture's
+    two sources, a multiple-choice set, a text sample) is declared, and every declared one written."""
+    cfg = types.SimpleNamespace(max_iters=10, straggler_ratio=1.2, spike_skip=False, tensorboard_dir=str(tmp_path))
+    monkeypatch.setattr(peak_flops, "cpu_peak_flops", lambda: (1e9, "a test's peak"))
+    log = metrics.ProgressLog(True, cfg, tokens_per_step=1000, flops_per_token=1000, device=torch.device("cpu"),
+                              dtype=torch.float32, world_size=2)
+    memory = [0.5] * len(metrics.MEMORY_COLUMNS)
+    log.start(0)
+    log.train(1, 2.0, 1e-3, 1.0, torch.tensor([memory + [0.0, 0.01, 0.0]] * 2), 0, {}, [], 0)
+    log.val(1, 2.5, "def f", {"web": 2.4, "code": 2.6}, {"hellaswag": {"acc": 0.3, "acc_norm": 0.35}})
+    log.close(torch.tensor([memory] * 2))
+    tags = written_tags(str(tmp_path))
+    assert "mem/rank1/state_gb" in tags and "eval/hellaswag/acc_norm" in tags and "val/sample" in tags
+    assert not doc_tables.undeclared(tags, [metrics.ProgressLog]) and not doc_tables.unwritten(tags, metrics.ProgressLog)
+    assert doc_tables.undeclared(tags | {"mem/rank1/host_gb"}, [metrics.ProgressLog]) == {"mem/rank1/host_gb"}
 
 
 def test_the_figures_file_holds_each_step_once_across_a_resume(tmp_path):

@@ -105,6 +105,12 @@ class BatchLoader:
     (seed, step) alone.
     """
 
+    # the TensorBoard tags scalars() returns, {tag: meaning}: docs/logging.md's table is made of these
+    # (fsdp_gpt/doc_tables.py) and the tests refuse a tag a run writes undeclared
+    TAGS = {"data/tokens": "tokens trained on so far, over every rank (kept in every checkpoint)",
+            "data/{source}/epoch": "a mixture's: the epochs of each source read so far",
+            "data/{source}/tokens": "a mixture's: the tokens of each source trained on so far"}
+
     def __init__(self, sources: dict[str, tuple[str, dict]], block_size: int, train_batch: int, micro_batch: int,
                  dp_rank: int, dp_size: int, seed: int, device: torch.device, segment: Segment | None = None,
                  align_rows: bool = False, pieces: list[tuple[int, int]] | None = None, doc_mask: bool = False,

@@ -1,9 +1,9 @@
 """Model families, one entry each: how its layout is built (model.py reads the entry), which keys it
 takes (config.py's checks), what a resume may change (checkpoint/ckpt_format.py), and its Hugging
 Face class, config.json's keys and the weights' names both ways (hf_format.py). No other module
-branches on a family: a new one is an entry in a module of this package, listed in FAMILIES, its
-tests and its row in docs/models.md (docs/architecture.md: adding a family); what an entry is made
-of is family_parts.py.
+branches on a family: a new one is an entry in a module of this package, listed in FAMILIES, and its
+tests; the docs' table and lists of the families are made from FAMILIES (fsdp_gpt/doc_tables.py;
+docs/architecture.md: adding a family). What an entry is made of is family_parts.py.
 
 A family builds one layout, the `arch` key. The table runs from a layout's plain family to its
 refinements, each applying where its `when` keys are set: Llama with qk_norm is Qwen3, with experts

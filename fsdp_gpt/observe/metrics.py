@@ -114,8 +114,39 @@ def console_fields(line: dict) -> str:
     return "".join(f" | {field}" for field in fields if field)
 
 
+def _alternatives(names) -> str:
+    return "{" + ",".join(names) + "}"
+
+
 class ProgressLog:
     """Created on every rank; only rank 0 prints and writes TensorBoard events and metrics.jsonl."""
+
+    # the TensorBoard tags (metrics.jsonl's names) this logger writes of its own, {tag: meaning}; the loop's
+    # owners declare theirs beside their scalars() (BatchLoader.TAGS, ExpertBalance.TAGS). docs/logging.md's
+    # table is made of these (fsdp_gpt/doc_tables.py), and the tests refuse a tag a run writes undeclared
+    TAGS = {
+        "train/loss": "the global batch's mean loss (every rank's share reduced), at each log step",
+        "train/lr": "the learning rate",
+        "train/grad_norm": "the gradient's global norm, before clipping",
+        "train/skipped_steps": "non-finite steps skipped so far (docs/long_runs.md)",
+        "train/spikes": "loss spikes so far",
+        "perf/tokens_per_sec": "training tokens a second since the last line (evals and saves left out)",
+        "perf/mfu": "model FLOPs utilisation against the devices' peak (where the peak is known)",
+        "perf/eta_s": "seconds to max_iters at that rate",
+        f"mem/{_alternatives(MEMORY_COLUMNS)}_gb": "the largest rank's peak allocated, peak reserved, host peak RSS "
+                                                    "and parameters + optimizer state, GB",
+        "mem/rank{r}/{peak,state}_gb": "each rank's peak and its parameters + optimizer state, GB",
+        f"time/{_alternatives(TIME_COLUMNS)}_ms/{{min,median,max}}": "over the ranks: each one's ms a step waiting "
+                                                                     "for data, computing, and (on CPU) waiting for "
+                                                                     "the others (docs/logging.md)",
+        "time/slowest_rank": "the rank whose own time (data + compute) is the longest",
+        "time/slowest_ratio": "its own time over the median rank's",
+        "val/loss": "the val loss, at step 0, each eval_interval and the last step",
+        "val/perplexity": "exp(val/loss)",
+        "val/loss/{source}": "a mixture's: each source's val loss (docs/data.md)",
+        "eval/{name}/{acc,acc_norm}": "each multiple-choice set's accuracy (mc_eval_path)",
+        "val/sample": "text: sample_tokens tokens sampled at each eval",
+    }
 
     def __init__(self, enabled: bool, cfg, tokens_per_step: int, flops_per_token: int, device: torch.device,
                  dtype: torch.dtype, world_size: int, resumed_at: int = 0, wandb_id: str | None = None):
@@ -265,6 +296,12 @@ def scalar_tags(tb_dir: str) -> set[str]:
 def read_scalars(tb_dir: str, tag: str) -> dict[int, float]:
     """{step: value} of one TensorBoard tag, as TensorBoard shows it."""
     return _events(tb_dir)[0].get(tag, {})
+
+
+def text_tags(tb_dir: str) -> set[str]:
+    """Every text tag in tb_dir's events files."""
+    return {tag.removesuffix("/text_summary") for acc in _event_files(tb_dir) for tag in acc.Tags()["tensors"]
+            if tag.endswith("/text_summary")}
 
 
 def read_texts(tb_dir: str, tag: str) -> dict[int, str]:

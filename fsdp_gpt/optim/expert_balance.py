@@ -14,6 +14,14 @@ from fsdp_gpt.moe import MoE
 
 
 class ExpertBalance:
+    # the TensorBoard tags scalars() returns, {tag: meaning}: docs/logging.md's table is made of these
+    # (fsdp_gpt/doc_tables.py) and the tests refuse a tag a run writes undeclared
+    TAGS = {"moe/layer{i}/busiest": "a MoE layer's busiest expert's tokens over the mean load (1.0: balanced)",
+            "moe/layer{i}/idle": "the share of a MoE layer's experts that got no token",
+            "moe/layer{i}/bias_range": "the spread of a MoE layer's selection biases (moe_bias_rate)",
+            "moe/layer{i}/aux_loss": "a MoE layer's load-balancing loss (what moe_aux_loss weighs)",
+            "moe/{busiest,idle}": "the worst layer's busiest and idle: the console line's"}
+
     def __init__(self, gpt: GPT, bias_rate: float, device: torch.device):
         self.layers = {i: block.mlp for i, block in enumerate(gpt.blocks) if isinstance(block.mlp, MoE)}
         self.bias_rate, self.device = bias_rate, device
