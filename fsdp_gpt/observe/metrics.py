@@ -299,9 +299,8 @@ def read_scalars(tb_dir: str, tag: str) -> dict[int, float]:
 
 
 def text_tags(tb_dir: str) -> set[str]:
-    """Every text tag in tb_dir's events files."""
-    return {tag.removesuffix("/text_summary") for acc in _event_files(tb_dir) for tag in acc.Tags()["tensors"]
-            if tag.endswith("/text_summary")}
+    """Every text tag in tb_dir's events."""
+    return set(_events(tb_dir)[1])
 
 
 def read_texts(tb_dir: str, tag: str) -> dict[int, str]:
