@@ -48,6 +48,10 @@ def validate_model(cfg: TrainConfig) -> None:
     require(cfg.family.positions != "rope" or head_dim % 2 == 0,
             f"head dimension {'n_embd / n_head = ' * (cfg.head_dim is None)}{head_dim} must be even for RoPE")
     require(cfg.rope_theta > 0, f"rope_theta must be positive, got {cfg.rope_theta}")
+    factor = cfg.settled()["partial_rotary_factor"]
+    require(0 < factor <= 1 and int(head_dim * factor) % 2 == 0 and int(head_dim * factor) > 0,
+            f"partial_rotary_factor={factor} must be in (0, 1] and rotate an even number of each head's {head_dim} "
+            f"dimensions (RoPE turns them in pairs), not {int(head_dim * factor)}")
     check_rope_scaling(cfg.rope_scaling, "rope_scaling")
     require(cfg.ffn_hidden is None or cfg.ffn_hidden > 0, f"ffn_hidden must be positive, got {cfg.ffn_hidden}")
     require(0 <= cfg.value_embeds <= cfg.n_layer, f"value_embeds must be 0 to n_layer={cfg.n_layer}, got {cfg.value_embeds}")

@@ -56,6 +56,7 @@ class Family:
     qk_norm_scope: str = "head"  # what one qk norm spans (model.QK_NORM_WIDTHS): each head, or the whole projection
     rope_pattern: tuple[str, ...] = ("rope",)  # which layers rotate q and k where the rope_pattern key is null
     embed_scale: bool = False  # token embeddings times sqrt(n_embd) (in fp32, whatever their dtype)
+    partial_rotary: float = 1.0  # the fraction of each head RoPE rotates where the partial_rotary_factor key is null
 
 
 # the block's linears, by their names in model.DecoderBlock: a family with biases everywhere (GPT-2) lists them all
@@ -73,7 +74,8 @@ ONE_WINDOW = ("window_pattern", lambda cfg: len(set(map(cfg.window_of, range(cfg
 PLAIN_SCORES = (
     ("attn_scale_dim", lambda cfg: cfg.attn_scale_dim in (None, cfg.head_dim), "scales attention by 1/sqrt(head_dim)"),
     ("rope_local_theta", lambda cfg: cfg.rope_local_theta in (None, cfg.rope_theta), "has one RoPE base"),
-    ("rope_pattern", lambda cfg: all(map(cfg.rotates, range(cfg.n_layer))), "rotates q and k in every layer"))
+    ("rope_pattern", lambda cfg: all(map(cfg.rotates, range(cfg.n_layer))), "rotates q and k in every layer"),
+    ("partial_rotary_factor", lambda cfg: cfg.partial_rotary_factor == 1.0, "rotates the whole of each head"))
 PLAIN_ATTENTION = (NO_WINDOW,) + PLAIN_SCORES
 QK_NORMED = ("qk_norm", lambda cfg: cfg.qk_norm, "normalises q and k (qk_norm: true)")  # a class that always does
 # what a resume may change in every family: a window holds no weights

@@ -35,6 +35,12 @@ class GPTConfig(ModelKeys):
             setattr(self, name, value)
 
     @property
+    def rotary_dim(self) -> int:
+        """The dimensions of each head RoPE rotates, the first ones: partial_rotary_factor of head_dim, as
+        transformers rounds it (down)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
     def qkv_widths(self) -> list[int]:
         """The rows of q, k and v in attention's one matmul: n_head query heads, n_kv_head key and value heads."""
         return [self.n_head * self.head_dim] + [self.n_kv_head * self.head_dim] * 2
@@ -98,22 +104,27 @@ def llama3_scaled(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 
 
 def rotary(cfg: GPTConfig, positions: torch.Tensor, theta: float, scaling: dict | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin (T, head_dim) of RoPE at positions (T,): pair i of a head turns at
-    theta^(-2i/head_dim) per position (Llama 3.1's scaling applied when given). Computed in fp32
+    """cos, sin (T, rotary_dim) of RoPE at positions (T,): pair i of a head's rotated dimensions turns at
+    theta^(-2i/rotary_dim) per position (Llama 3.1's scaling applied when given). Computed in fp32
     per forward (cheap): no buffer to move off the meta device."""
-    inv_freq = theta ** (-torch.arange(0, cfg.head_dim, 2, device=positions.device, dtype=torch.float32) / cfg.head_dim)
+    dim = cfg.rotary_dim  # head_dim, or its first part (partial_rotary_factor)
+    inv_freq = theta ** (-torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) / dim)
     if scaling:
         inv_freq = llama3_scaled(inv_freq, scaling)
     angles = torch.outer(positions.float(), inv_freq)
-    angles = torch.cat((angles, angles), dim=-1)  # rotate_half pairs dimension i with i + head_dim/2
+    angles = torch.cat((angles, angles), dim=-1)  # rotate_half pairs dimension i with i + rotary_dim/2
     return angles.cos(), angles.sin()
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (B, heads, T, head_dim) rotated: x cos + rotate_half(x) sin."""
-    x1, x2 = x.chunk(2, dim=-1)
+    """x (B, heads, T, head_dim) rotated over its first rotary_dim dimensions (cos's width: the whole head
+    but with partial_rotary_factor): x cos + rotate_half(x) sin; the others pass as they are."""
+    dim = cos.shape[-1]
+    part = x[..., :dim]  # x itself where the whole head rotates
+    x1, x2 = part.chunk(2, dim=-1)
     rotated = torch.cat((-x2, x1), dim=-1)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+    out = (part.float() * cos + rotated.float() * sin).to(x.dtype)
+    return torch.cat((out, x[..., dim:]), dim=-1) if dim < x.shape[-1] else out
 
 
 def rotaries(cfg: GPTConfig, positions: torch.Tensor) -> tuple:

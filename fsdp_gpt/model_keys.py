@@ -64,6 +64,9 @@ class ModelKeys:
     rope_pattern: list | None = key(None, "llama: which layers rotate q and k, rope or nope (no positions), in a list "
                                           "repeated over the layers from the first (SmolLM3: three rope, one nope); "
                                           "null: the family's (every layer but in SmolLM3)")
+    partial_rotary_factor: float | None = key(None, "llama: the fraction of each head's dimensions RoPE rotates, the "
+                                                    "first ones (Phi-4-mini: 0.75, Qwen3.5: 0.25; the others carry no "
+                                                    "position); null: the family's (1: the whole head, but in Qwen3.5)")
     attn_scale_dim: int | None = key(None, "attention's scores scaled by 1/sqrt(attn_scale_dim) (Gemma 3's "
                                            "query_pre_attn_scalar); null: head_dim")
     logit_softcap: float | None = key(None, "squash logits into (-cap, cap) with cap * tanh(logits / cap), in fp32; "
@@ -108,6 +111,8 @@ class ModelKeys:
                     qk_norm=family.qk_norm if self.qk_norm is None else self.qk_norm,
                     ffn_hidden=ffn_hidden, head_dim=self.head_dim or self.n_embd // self.n_head,
                     tie_embeddings=family.tied if self.tie_embeddings is None else self.tie_embeddings,
+                    partial_rotary_factor=family.partial_rotary if self.partial_rotary_factor is None else
+                    self.partial_rotary_factor,
                     # (a moe_top_k under 1 is refused by the checks, which read these values first)
                     moe_hidden=self.moe_hidden or max(ffn_hidden // max(self.moe_top_k, 1), 1))
 

@@ -84,6 +84,9 @@ def one_line(code, capsys, *phrases):
      ["rope_local_theta=20000 is the local layers' RoPE base, and no local layer rotates (rope_pattern ['rope', "
       "'nope'] leaves layers [1, 3] without positions): rotate a local layer (rope_pattern), or set rope_local_theta: null"]),
     ({"arch": "llama", "rope_pattern": "[rope, none]"}, ["rope_pattern must be a list of rope and nope", "got ['rope', 'none']"]),
+    ({"arch": "llama", "partial_rotary_factor": 0.3}, ["partial_rotary_factor=0.3 must be in (0, 1] and rotate an even "
+                                                         "number of each head's 32 dimensions", "not 9"]),
+    ({"partial_rotary_factor": 0.5}, [f"partial_rotary_factor=0.5 needs arch: {archs_taking('partial_rotary_factor')} (GPT-2"]),
     # the family's pattern where the key is null (SmolLM3's: layer 3 takes no positions), and a bad pattern
     # named as such before the window's check reads it
     ({"arch": "smollm3", "n_layer": 4, "sliding_window": 8, "window_pattern": "[global, global, global, local]",

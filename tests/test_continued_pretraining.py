@@ -393,6 +393,8 @@ FOLDERS = {
     "olmo2": ("Olmo2ForCausalLM", dict(rope_theta=5e5, rms_norm_eps=1e-6), "bytelevel", "GPT2Tokenizer"),
     # Phi-3-mini-4k's window on every layer; its class's pad token, 32000, is past this vocabulary
     "phi3": ("Phi3ForCausalLM", dict(sliding_window=16, pad_token_id=None), "sentencepiece", "LlamaTokenizer"),
+    # Phi-4-mini's RoPE on the first 3/4 of each head, its byte-level tokenizer
+    "phi4_mini": ("Phi3ForCausalLM", dict(partial_rotary_factor=0.75, pad_token_id=None), "bytelevel", "GPT2Tokenizer"),
     # the second layer without RoPE; its class's pad token, 128004, is past this vocabulary
     "smollm3": ("SmolLM3ForCausalLM", dict(no_rope_layers=[1, 0], pad_token_id=None), "bytelevel",
                 "PreTrainedTokenizerFast"),

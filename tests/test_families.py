@@ -34,6 +34,7 @@ MODELS = {
     "mistral_v03": ("Mistral", dict(arch="mistral", n_kv_head=1, head_dim=32)),  # no window; Nemo's own head_dim
     "olmo2": ("OLMo 2", dict(arch="olmo2", n_kv_head=2)),  # norms after each sublayer, q and k's over each projection
     "phi3": ("Phi-3", dict(arch="phi3", n_kv_head=2, sliding_window=8)),  # qkv_proj and gate_up_proj fused, a window
+    "phi4_mini": ("Phi-3", dict(arch="phi3", n_kv_head=2, partial_rotary_factor=0.75)),  # RoPE on 12 of 16 dimensions
     "smollm3": ("SmolLM3", dict(arch="smollm3", n_kv_head=2, rope_pattern=["rope", "nope"])),  # a NoPE layer, tied
 }
 
@@ -166,6 +167,8 @@ def test_gemma3_scales_its_embeddings_by_one_value_in_every_dtype():
     (dict(arch="gpt2", value_embeds=1), "value_embeds: 1: GPT2LMHeadModel has no value embeddings"),
     (dict(arch="llama", sliding_window=8), "sliding_window: 8: LlamaForCausalLM attends to every earlier token"),
     (dict(arch="llama", rope_pattern=["nope"]), "rope_pattern: ['nope']: LlamaForCausalLM rotates q and k in every layer"),
+    (dict(arch="llama", partial_rotary_factor=0.5),
+     "partial_rotary_factor: 0.5: LlamaForCausalLM rotates the whole of each head"),
     (dict(arch="gpt2", attn_scale_dim=24), "attn_scale_dim: 24: GPT2LMHeadModel scales attention by 1/sqrt(head_dim)"),
     (dict(arch="gemma3", n_layer=2, sliding_window=8, window_pattern=["global", "local"]),
      "window_pattern: ['global', 'local']: Gemma3ForCausalLM reads N - 1 local layers then a global one"),
@@ -196,8 +199,6 @@ LLAMA_FOLDER = dict(architectures=["LlamaForCausalLM"], model_type="llama", voca
      'has rope_scaling: "longrope"; built here: plain RoPE'),  # transformers 4's form, Phi-3-mini-128k's
     (dict(architectures=["Phi3ForCausalLM"], model_type="phi3", rope_parameters=dict(rope_type="longrope")),
      'has rope_scaling: "longrope"'),  # transformers 5's
-    (dict(architectures=["Phi3ForCausalLM"], model_type="phi3", partial_rotary_factor=0.75),
-     "has partial_rotary_factor: 0.75; built here: RoPE over the whole head"),  # Phi-4-mini's
     (dict(architectures=["SmolLM3ForCausalLM"], model_type="smollm3", use_sliding_window=True, sliding_window=16),
      "has use_sliding_window: true; built here: full attention in every layer"),
     (dict(architectures=None, model_type="falcon"), "holds a falcon (config.json's model_type); this trainer starts from"),

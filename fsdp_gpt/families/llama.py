@@ -48,7 +48,7 @@ LLAMA = Family(
     name="Llama", arch="llama", when=(), norm="rmsnorm", positions="rope", mlp="swiglu", tied=False, biases=(),
     init_std=0.02,
     takes=frozenset({"n_kv_head", "head_dim", "rope_theta", "rope_scaling", "rope_local_theta", "rope_pattern",
-                     "tie_embeddings"}),
+                     "partial_rotary_factor", "tie_embeddings"}),
     resumable=("block_size", "rope_theta", "rope_scaling", "rope_local_theta") + WINDOW_KEYS,
     hf_class="LlamaForCausalLM", hf_model_type="llama", hf_mlps={"swiglu": "silu"},
     hf_config=llama_config, hf_keys=llama_keys,

@@ -68,24 +68,26 @@ OLMO2 = replace(
 
 # its RoPE beside plain RoPE, as config.json sets it (rope_scaling's type: transformers 5's rope_parameters or 4's)
 PHI3_UNBUILT = (("rope_scaling", lambda kind: kind == "default",
-                 "plain RoPE (longrope, the long-context models' and Phi-3.5's, is not built)"),
-                ("partial_rotary_factor", lambda factor: factor == 1.0, "RoPE over the whole head"))
+                 "plain RoPE (longrope, the long-context models' and Phi-3.5's, is not built)"),)
 
 
 def phi3_config(cfg, eot: int | None) -> dict:
-    """Llama's keys, one window or none; no pad token (its class's default, 32000, is past a smaller
-    vocabulary, and would keep that embedding row from training in transformers)."""
+    """Llama's keys, one window or none, the fraction of each head RoPE rotates (top-level, where
+    transformers 4 reads it; 5 moves it into rope_parameters); no pad token (its class's default,
+    32000, is past a smaller vocabulary, and would keep that embedding row from training in transformers)."""
     keys = {k: v for k, v in llama_config(cfg, eot).items() if k not in ("attention_bias", "mlp_bias")}
-    return keys | dict(sliding_window=cfg.window_of(0), pad_token_id=None, resid_pdrop=0.0, embd_pdrop=0.0)
+    return keys | dict(sliding_window=cfg.window_of(0), partial_rotary_factor=cfg.partial_rotary_factor,
+                       pad_token_id=None, resid_pdrop=0.0, embd_pdrop=0.0)
 
 
 def phi3_keys(config: dict) -> dict:
+    """Llama's keys, the window, and partial_rotary_factor (Phi-4-mini's 0.75) from rope_parameters
+    (transformers 5) or the top level (4)."""
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    refuse_unbuilt({"rope_scaling": rope.get("rope_type", rope.get("type", "default")),
-                    "partial_rotary_factor": rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))},
-                   PHI3_UNBUILT)
-    return llama_keys(config, LLAMA_DEFAULTS | {"rms_norm_eps": 1e-5}) | dict(arch="phi3",
-                                                                             sliding_window=config.get("sliding_window"))
+    refuse_unbuilt({"rope_scaling": rope.get("rope_type", rope.get("type", "default"))}, PHI3_UNBUILT)
+    return llama_keys(config, LLAMA_DEFAULTS | {"rms_norm_eps": 1e-5}) | dict(
+        arch="phi3", sliding_window=config.get("sliding_window"),
+        partial_rotary_factor=float(rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))))
 
 
 PHI3 = replace(
@@ -94,7 +96,7 @@ PHI3 = replace(
     hf_class="Phi3ForCausalLM", hf_model_type="phi3", hf_config=phi3_config, hf_keys=phi3_keys,
     hf_names=LLAMA.hf_names | {"attn.c_attn.weight": "self_attn.qkv_proj.weight",  # [q | k | v], as ours
                                "mlp.c_fc.weight": "mlp.gate_up_proj.weight"},  # [gate | up], as ours
-    hf_limits=PLAIN_HEAD + (ONE_WINDOW,) + PLAIN_SCORES)
+    hf_limits=PLAIN_HEAD + (ONE_WINDOW,) + tuple(row for row in PLAIN_SCORES if row[0] != "partial_rotary_factor"))
 
 
 # ---- SmolLM3: Llama's layout, every fourth layer without RoPE (its NoPE layers), the head tied ----
