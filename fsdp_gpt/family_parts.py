@@ -89,6 +89,25 @@ def refuse_unbuilt(config: dict, unbuilt: tuple) -> None:
             raise ValueError(f"has {key}: {json.dumps(config[key])}; built here: {what}")
 
 
+# config.json's layer_types where a class slides a window over some layers (Gemma 3's, OLMo 3's) -> window_pattern's
+WINDOW_LAYERS = {"sliding_attention": "local", "full_attention": "global"}
+
+
+def window_layer_types(cfg) -> list[str]:
+    """config.json's layer_types of the model's layers: sliding_attention where a window slides."""
+    return ["sliding_attention" if cfg.window_of(i) else "full_attention" for i in range(cfg.n_layer)]
+
+
+def window_keys(types: list[str], window: int | None) -> dict:
+    """sliding_window and window_pattern from config.json's layer_types and window (ValueError: a type
+    not built here, named)."""
+    if unbuilt := sorted(set(types) - set(WINDOW_LAYERS)):
+        raise ValueError(f"has layer_types {unbuilt} (layer_types); built here: {', '.join(WINDOW_LAYERS)}")
+    kinds = [WINDOW_LAYERS[kind] for kind in types]
+    return dict(sliding_window=window if "local" in kinds else None,
+                window_pattern=repeating(kinds) if len(set(kinds)) == 2 else None)
+
+
 def repeating(kinds: list[str]) -> list[str]:
     """The shortest list that, repeated from the first layer, gives each layer's kind (a *_pattern key's value)."""
     return next(kinds[:p] for p in range(1, len(kinds) + 1) if all(kind == kinds[i % p] for i, kind in enumerate(kinds)))

@@ -391,6 +391,9 @@ FOLDERS = {
     # v0.1's window, shorter than the rows of 64 (v0.3's none: tests/test_families.py)
     "mistral": ("MistralForCausalLM", dict(sliding_window=16), "sentencepiece", "LlamaTokenizer"),
     "olmo2": ("Olmo2ForCausalLM", dict(rope_theta=5e5, rms_norm_eps=1e-6), "bytelevel", "GPT2Tokenizer"),
+    # a window (shorter than the rows of 64) on the layer layer_types names sliding, the other full
+    "olmo3": ("Olmo3ForCausalLM", dict(sliding_window=16, layer_types=["sliding_attention", "full_attention"],
+                                       rope_theta=1e6, pad_token_id=None), "bytelevel", "GPT2Tokenizer"),
     # Phi-3-mini-4k's window on every layer; its class's pad token, 32000, is past this vocabulary
     "phi3": ("Phi3ForCausalLM", dict(sliding_window=16, pad_token_id=None), "sentencepiece", "LlamaTokenizer"),
     # Phi-4-mini's RoPE on the first 3/4 of each head, its byte-level tokenizer

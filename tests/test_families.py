@@ -33,6 +33,9 @@ MODELS = {
     "mistral": ("Mistral", dict(arch="mistral", n_kv_head=2, sliding_window=8)),  # v0.1's window, on rows of 32
     "mistral_v03": ("Mistral", dict(arch="mistral", n_kv_head=1, head_dim=32)),  # no window; Nemo's own head_dim
     "olmo2": ("OLMo 2", dict(arch="olmo2", n_kv_head=2)),  # norms after each sublayer, q and k's over each projection
+    # OLMo 2's block, a local layer (a window of 8 on rows of 32) then a global one, a RoPE base each
+    "olmo3": ("OLMo 3", dict(arch="olmo3", n_kv_head=2, sliding_window=8, window_pattern=["local", "global"],
+                             rope_theta=5e5, rope_local_theta=1e4)),
     "phi3": ("Phi-3", dict(arch="phi3", n_kv_head=2, sliding_window=8)),  # qkv_proj and gate_up_proj fused, a window
     "phi4_mini": ("Phi-3", dict(arch="phi3", n_kv_head=2, partial_rotary_factor=0.75)),  # RoPE on 12 of 16 dimensions
     "smollm3": ("SmolLM3", dict(arch="smollm3", n_kv_head=2, rope_pattern=["rope", "nope"])),  # a NoPE layer, tied
@@ -242,16 +245,19 @@ def test_a_window_no_layer_slides_is_not_exported(arch, tmp_path):
 def test_a_folder_silent_on_a_key_reads_as_its_class_does(family, tmp_path):
     """config.json without rms_norm_eps, the RoPE base, the window or the tying: each is what the
     family's class takes then (OLMo 2's and Phi-3's eps 1e-5, SmolLM3's base 2e6, Mistral's window
-    4,096), not Llama's. The window where the class slides one over every layer (ONE_WINDOW): Qwen2's
-    and Qwen3's slide theirs only with use_sliding_window, which is refused."""
+    4,096, OLMo 3's base 5e5), not Llama's. The window where the class slides one over every layer
+    (ONE_WINDOW) or over the layers its default layer_types make sliding (OLMo 3's): Qwen2's and Qwen3's
+    slide theirs only with use_sliding_window, which is refused."""
     import transformers
     if not hasattr(transformers, family.hf_class):
         pytest.skip(f"transformers {transformers.__version__} has no {family.hf_class}")
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_FOLDER | dict(
         architectures=[family.hf_class], model_type=family.hf_model_type, max_position_embeddings=8192)))
     ours, theirs = hf_model_keys(str(tmp_path))[0], transformers.AutoConfig.from_pretrained(tmp_path)
-    rope_theta = (getattr(theirs, "rope_parameters", None) or {}).get("rope_theta") or theirs.rope_theta
-    window = theirs.sliding_window if ONE_WINDOW in family.hf_limits else None
+    rope = getattr(theirs, "rope_parameters", None) or {}
+    rope_theta = (rope.get("full_attention") or rope).get("rope_theta") or theirs.rope_theta  # per layer type: OLMo 3
+    slides = ONE_WINDOW in family.hf_limits or "sliding_attention" in (getattr(theirs, "layer_types", None) or [])
+    window = theirs.sliding_window if slides else None
     assert (ours["norm_eps"], ours["rope_theta"], ours.get("sliding_window"), ours["tie_embeddings"]) == \
         (theirs.rms_norm_eps, rope_theta, window, theirs.tie_word_embeddings)
 

@@ -1,19 +1,14 @@
 """Gemma 3: Llama's names, four (1 + weight) norms a block, scaled embeddings, GeGLU, q and k normalised,
 local (sliding-window) and global layers with a RoPE base each."""
 from fsdp_gpt.families.llama import LLAMA
-from fsdp_gpt.family_parts import NO_VALUE_EMBEDS, QK_NORMED, WINDOW_KEYS, Family, repeating
-
-GEMMA3_LAYERS = {"sliding_attention": "local", "full_attention": "global"}  # config.json's layer_types -> ours
-
-
-def gemma3_layer_types(cfg) -> list[str]:
-    return ["sliding_attention" if cfg.window_of(i) else "full_attention" for i in range(cfg.n_layer)]
+from fsdp_gpt.family_parts import (NO_VALUE_EMBEDS, QK_NORMED, WINDOW_KEYS, Family, window_keys,
+                                   window_layer_types)
 
 
 def sliding_window_pattern(cfg) -> int | None:
     """transformers 4.5x's sliding_window_pattern N (layer i global where (i + 1) % N == 0) that
     gives the model's layers, or None where none does."""
-    kinds = gemma3_layer_types(cfg)
+    kinds = window_layer_types(cfg)
     return next((n for n in range(1, cfg.n_layer + 2)
                  if all((kind == "full_attention") == ((i + 1) % n == 0) for i, kind in enumerate(kinds))), None)
 
@@ -25,7 +20,7 @@ def gemma3_config(cfg, eot: int | None) -> dict:
                 num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_kv_head,
                 head_dim=cfg.head_dim, max_position_embeddings=cfg.block_size, rms_norm_eps=cfg.norm_eps,
                 hidden_activation=GEMMA3.hf_mlps[cfg.mlp], query_pre_attn_scalar=cfg.attn_scale_dim or cfg.head_dim,
-                sliding_window=cfg.sliding_window or cfg.block_size, layer_types=gemma3_layer_types(cfg),
+                sliding_window=cfg.sliding_window or cfg.block_size, layer_types=window_layer_types(cfg),
                 sliding_window_pattern=sliding_window_pattern(cfg), rope_theta=cfg.rope_theta,
                 rope_local_base_freq=cfg.rope_local_theta or cfg.rope_theta, final_logit_softcapping=cfg.logit_softcap,
                 attn_logit_softcapping=None, attention_bias=False, tie_word_embeddings=cfg.tie_embeddings,
@@ -46,12 +41,10 @@ def gemma3_keys(config: dict) -> dict:
     pattern = config.get("sliding_window_pattern") or 6
     types = config.get("layer_types") or ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
                                           for i in range(n_layer)]
-    if set(types) - set(GEMMA3_LAYERS):
-        raise ValueError(f"has layer_types {sorted(set(types) - set(GEMMA3_LAYERS))} (layer_types); built here: "
-                         f"{', '.join(GEMMA3_LAYERS)}")
+    windows = window_keys(types, config.get("sliding_window", 4096))  # its class's default
     if (rope.get("full_attention") or {}).get("rope_type", "default") != "default" or config.get("rope_scaling"):
         raise ValueError("scales its global layers' RoPE (rope_scaling: Gemma 3 4B and up); built here: unscaled RoPE")
-    kinds = [GEMMA3_LAYERS[kind] for kind in types]
+    local = windows["sliding_window"] is not None
     n_head, n_embd = config["num_attention_heads"], config["hidden_size"]
     head_dim = config.get("head_dim") or n_embd // n_head
     scale_dim = config.get("query_pre_attn_scalar") or head_dim
@@ -60,10 +53,8 @@ def gemma3_keys(config: dict) -> dict:
                 bias=False, head_dim=None if head_dim * n_head == n_embd else head_dim,
                 rope_theta=float((rope.get("full_attention") or {}).get("rope_theta") or config.get("rope_theta") or 1e6),
                 rope_local_theta=float((rope.get("sliding_attention") or {}).get("rope_theta")
-                                       or config.get("rope_local_base_freq") or 1e4) if "local" in kinds else None,
-                sliding_window=config["sliding_window"] if "local" in kinds else None,
-                window_pattern=repeating(kinds) if "local" in kinds and "global" in kinds else None,
-                attn_scale_dim=None if scale_dim == head_dim else scale_dim, qk_norm=True, mlp="geglu",
+                                       or config.get("rope_local_base_freq") or 1e4) if local else None,
+                **windows, attn_scale_dim=None if scale_dim == head_dim else scale_dim, qk_norm=True, mlp="geglu",
                 ffn_hidden=config["intermediate_size"], norm_eps=config.get("rms_norm_eps", 1e-6),
                 logit_softcap=config.get("final_logit_softcapping"), rope_scaling=None,
                 tie_embeddings=config.get("tie_word_embeddings", True), moe_experts=0)

@@ -1,10 +1,12 @@
 """The families of Llama's layout continued most beside it, each Llama's entry with what differs: Qwen2
-(q, k and v with biases), Mistral (one window), OLMo 2 (norms after each sublayer), Phi-3 (fused
-projections in its files), SmolLM3 (layers without RoPE)."""
+(q, k and v with biases), Mistral (one window), OLMo 2 (norms after each sublayer), OLMo 3 (OLMo 2's
+with windows on some layers), Phi-3 (fused projections in its files; Phi-4-mini's partial RoPE),
+SmolLM3 (layers without RoPE)."""
 from dataclasses import replace
 
 from fsdp_gpt.families.llama import LLAMA, LLAMA_DEFAULTS, llama_config, llama_keys
-from fsdp_gpt.family_parts import ONE_WINDOW, PLAIN_ATTENTION, PLAIN_HEAD, PLAIN_SCORES, QK_NORMED, Rows, refuse_unbuilt, repeating
+from fsdp_gpt.family_parts import (ONE_WINDOW, PLAIN_ATTENTION, PLAIN_HEAD, PLAIN_SCORES, QK_NORMED, Rows, refuse_unbuilt,
+                                   repeating, window_keys, window_layer_types)
 
 
 # ---- Qwen2 (Qwen2.5): Llama's layout, q, k and v with biases ----
@@ -61,6 +63,45 @@ OLMO2 = replace(
     hf_names={ours: theirs for ours, theirs in LLAMA.hf_names.items() if not ours.startswith(("ln_1", "ln_2"))} | {
         "ln_attn_out.weight": "post_attention_layernorm.weight", "ln_mlp_out.weight": "post_feedforward_layernorm.weight"},
     hf_limits=(QK_NORMED,) + PLAIN_HEAD + PLAIN_ATTENTION)
+
+
+# ---- OLMo 3: OLMo 2's block, a sliding window on the layers layer_types names (three of four by its class's
+# default), the full-attention layers' RoPE alone scaled (YaRN in the long-context models) ----
+
+OLMO3_DEFAULTS = LLAMA_DEFAULTS | {"rms_norm_eps": 1e-5, "rope_theta": 5e5}  # Olmo3Config's
+
+
+def olmo3_config(cfg, eot: int | None) -> dict:
+    """OLMo 2's keys, layer_types and the window; RoPE per layer type as transformers 5 reads it (the
+    sliding layers' unscaled, on rope_local_theta where set), rope_theta and rope_scaling beside it for 4.5x."""
+    full = {"rope_type": "default", "rope_theta": cfg.rope_theta} | (cfg.rope_scaling or {})
+    local = {"rope_type": "default", "rope_theta": cfg.rope_local_theta or cfg.rope_theta}
+    return olmo2_config(cfg, eot) | dict(layer_types=window_layer_types(cfg), sliding_window=cfg.sliding_window,
+                                         rope_parameters={"full_attention": full, "sliding_attention": local})
+
+
+def olmo3_keys(config: dict) -> dict:
+    """OLMo 2's keys from config.json, the windows from layer_types (absent: its class's default, every
+    fourth layer full), each layer type's RoPE base: the sliding layers' is rope_local_theta where it
+    differs from the full layers' or these are scaled (rope_scaling is theirs alone)."""
+    n_layer, rope = config["num_hidden_layers"], config.get("rope_parameters") or {}
+    types = config.get("layer_types") or ["full_attention" if (i + 1) % 4 == 0 else "sliding_attention"
+                                          for i in range(n_layer)]
+    full, sliding = rope.get("full_attention") or {}, rope.get("sliding_attention") or {}
+    keys = llama_keys(config | {"rope_parameters": full or None}, OLMO3_DEFAULTS)
+    windows = window_keys(types, config.get("sliding_window", 4096))  # its class's default
+    local_theta = float(sliding.get("rope_theta") or keys["rope_theta"])
+    apart = windows["sliding_window"] is not None and (local_theta != keys["rope_theta"] or keys["rope_scaling"] is not None)
+    return keys | windows | dict(arch="olmo3", qk_norm=True, rope_local_theta=local_theta if apart else None)
+
+
+OLMO3 = replace(
+    OLMO2, name="OLMo 3", arch="olmo3", hf_class="Olmo3ForCausalLM", hf_model_type="olmo3", hf_config=olmo3_config,
+    hf_keys=olmo3_keys,
+    hf_limits=(QK_NORMED,) + PLAIN_HEAD + tuple(row for row in PLAIN_SCORES if row[0] != "rope_local_theta") + (
+        ("rope_local_theta", lambda cfg: not cfg.rope_scaling or cfg.rope_local_theta or not cfg.sliding_window,
+         "scales the full-attention layers' RoPE alone: set rope_local_theta (rope_theta's value) for unscaled local "
+         "layers"),))
 
 
 # ---- Phi-3: Llama's layout, its folders holding q, k and v in one matrix (qkv_proj: our c_attn as it is) and the
