@@ -9,7 +9,7 @@ from fsdp_gpt.config import (COMPILE_MODES, CP_MODES, DECAY_SHAPES, DTYPES, EP_S
                              LR_SCHEDULES, MOE_SCORES, MUON_COEFFICIENTS, OPTIMIZERS, STRATEGIES, TrainConfig,
                              UserError, named_paths)
 from fsdp_gpt.families import ARCHS, FAMILIES
-from fsdp_gpt.family_parts import LLAMA3_SCALING
+from fsdp_gpt.family_parts import ROPE_SCALINGS
 from fsdp_gpt.model_keys import MLPS, ROPE_KINDS, WINDOW_KINDS
 
 
@@ -231,15 +231,20 @@ def check_context_parallel(cfg: TrainConfig) -> None:
 
 
 def check_rope_scaling(scaling: dict | None, where: str) -> None:
-    """Llama 3.1's scaling (rope_type llama3) is built; any other type is refused, naming it."""
+    """Llama 3.1's scaling (rope_type llama3) and YaRN (yarn) are built, with the numbers each needs; any
+    other type is refused, naming it."""
     if scaling is None:
         return
     kind = scaling.get("rope_type", scaling.get("type"))
-    if kind != "llama3":
-        raise UserError(f"{where}: RoPE scaling of type {kind!r} is not built here (only llama3, Llama 3.1's)")
-    missing = [k for k in LLAMA3_SCALING if not isinstance(scaling.get(k), (int, float))]
+    if kind not in ROPE_SCALINGS:
+        raise UserError(f"{where}: RoPE scaling of type {kind!r} is not built here (only llama3, Llama 3.1's, and "
+                        f"yarn)")
+    needs, may = ROPE_SCALINGS[kind]
+    missing = [k for k in needs if not isinstance(scaling.get(k), (int, float))]
     if missing:
-        raise UserError(f"{where}: llama3 RoPE scaling needs numbers for {', '.join(missing)}")
+        raise UserError(f"{where}: {kind} RoPE scaling needs numbers for {', '.join(missing)}")
+    if unknown := sorted(set(scaling) - set(needs) - set(may) - {"rope_type", "type"}):
+        raise UserError(f"{where}: {kind} RoPE scaling has no {', '.join(unknown)} (it takes {', '.join(needs + may)})")
 
 
 def validate_mixture(cfg: TrainConfig) -> None:

@@ -6,8 +6,11 @@ import json
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
-# Llama 3.1's RoPE scaling (rope_type llama3): its numbers, as config.json and the rope_scaling key hold them
-LLAMA3_SCALING = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+# the RoPE scalings built (the rope_scaling key's rope_type): (the numbers each needs, those it may have), as
+# config.json and the rope_scaling key hold them: Llama 3.1's, and YaRN (OLMo 3's, DeepSeek's, Qwen3's long context)
+ROPE_SCALINGS = {"llama3": (("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"), ()),
+                 "yarn": (("factor", "original_max_position_embeddings"),
+                          ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "truncate"))}
 
 
 class Rows(NamedTuple):

@@ -23,6 +23,7 @@ from fsdp_gpt.compat import autocast_dtype
 from fsdp_gpt.loss import chunked_cross_entropy, head_loss_chunk, per_position_cross_entropy
 from fsdp_gpt.model_keys import MLPS, ModelKeys
 from fsdp_gpt.moe import MoE
+from fsdp_gpt.rope import apply_rotary, rotaries
 
 
 @dataclass
@@ -88,50 +89,6 @@ def has_bias(cfg: GPTConfig, linear: str) -> bool:
     """Whether a block's linear (attn.c_attn, ..., families.ALL_BIASES) has a bias: the bias key on, and the
     family's entry listing it (GPT-2 all of them, Qwen2 q, k and v's, Llama none)."""
     return cfg.bias and linear in cfg.family.biases
-
-
-def llama3_scaled(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
-    """Llama 3.1's long-context frequencies, as transformers computes them: pairs whose wavelength
-    exceeds the original context / low_freq_factor turn `factor` times slower, those under
-    original / high_freq_factor keep their speed, and the ones between are interpolated."""
-    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-    original = scaling["original_max_position_embeddings"]
-    wavelength = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelength > original / low, inv_freq / factor, inv_freq)
-    smooth = (original / wavelength - low) / (high - low)
-    between = (wavelength >= original / high) & (wavelength <= original / low)
-    return torch.where(between, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
-
-
-def rotary(cfg: GPTConfig, positions: torch.Tensor, theta: float, scaling: dict | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin (T, rotary_dim) of RoPE at positions (T,): pair i of a head's rotated dimensions turns at
-    theta^(-2i/rotary_dim) per position (Llama 3.1's scaling applied when given). Computed in fp32
-    per forward (cheap): no buffer to move off the meta device."""
-    dim = cfg.rotary_dim  # head_dim, or its first part (partial_rotary_factor)
-    inv_freq = theta ** (-torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) / dim)
-    if scaling:
-        inv_freq = llama3_scaled(inv_freq, scaling)
-    angles = torch.outer(positions.float(), inv_freq)
-    angles = torch.cat((angles, angles), dim=-1)  # rotate_half pairs dimension i with i + rotary_dim/2
-    return angles.cos(), angles.sin()
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (B, heads, T, head_dim) rotated over its first rotary_dim dimensions (cos's width: the whole head
-    but with partial_rotary_factor): x cos + rotate_half(x) sin; the others pass as they are."""
-    dim = cos.shape[-1]
-    part = x[..., :dim]  # x itself where the whole head rotates
-    x1, x2 = part.chunk(2, dim=-1)
-    rotated = torch.cat((-x2, x1), dim=-1)
-    out = (part.float() * cos + rotated.float() * sin).to(x.dtype)
-    return torch.cat((out, x[..., dim:]), dim=-1) if dim < x.shape[-1] else out
-
-
-def rotaries(cfg: GPTConfig, positions: torch.Tensor) -> tuple:
-    """(the global layers' cos and sin, the local layers'): rope_theta's with rope_scaling, and where
-    rope_local_theta is set the local (sliding-window) layers' own base, unscaled (Gemma 3's)."""
-    both = rotary(cfg, positions, cfg.rope_theta, cfg.rope_scaling)
-    return both, rotary(cfg, positions, cfg.rope_local_theta, None) if cfg.rope_local_theta else both
 
 
 # how a token's position reaches the model: (x, ropes) from the token embeddings x at `positions`,

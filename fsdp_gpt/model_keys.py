@@ -43,9 +43,10 @@ class ModelKeys:
     head_dim: int | None = key(None, "llama: width of each attention head; null: n_embd / n_head (Qwen3 sets its "
                                      "own)")
     rope_theta: float = key(10000.0, "llama: RoPE base")
-    rope_scaling: dict | None = key(None, "llama: Llama 3.1's RoPE frequency scaling, {rope_type: llama3, factor, "
-                                          "low_freq_factor, high_freq_factor, original_max_position_embeddings}; "
-                                          "null: plain RoPE")
+    rope_scaling: dict | None = key(None, "llama: RoPE frequency scaling, Llama 3.1's {rope_type: llama3, factor, "
+                                          "low_freq_factor, high_freq_factor, original_max_position_embeddings} or "
+                                          "YaRN's {rope_type: yarn, factor, original_max_position_embeddings, and "
+                                          "optionally beta_fast, beta_slow, attention_factor, truncate}; null: plain RoPE")
     qk_norm: bool | None = key(None, "RMSNorm of each head's q and k; null: the family's (llama: off, on exports as "
                                      "Qwen3ForCausalLM; gemma3: on)")
     tie_embeddings: bool | None = key(None, "LM head shares the token embedding; null: the family's (true for gpt2, "

@@ -84,6 +84,10 @@ def one_line(code, capsys, *phrases):
      ["rope_local_theta=20000 is the local layers' RoPE base, and no local layer rotates (rope_pattern ['rope', "
       "'nope'] leaves layers [1, 3] without positions): rotate a local layer (rope_pattern), or set rope_local_theta: null"]),
     ({"arch": "llama", "rope_pattern": "[rope, none]"}, ["rope_pattern must be a list of rope and nope", "got ['rope', 'none']"]),
+    ({"arch": "llama", "rope_scaling": "{rope_type: yarn, factor: 4.0}"},
+     ["rope_scaling: yarn RoPE scaling needs numbers for original_max_position_embeddings"]),
+    ({"arch": "llama", "rope_scaling": "{rope_type: yarn, factor: 4.0, original_max_position_embeddings: 64, beta: 2}"},
+     ["rope_scaling: yarn RoPE scaling has no beta (it takes factor, original_max_position_embeddings, beta_fast"]),
     ({"arch": "llama", "partial_rotary_factor": 0.3}, ["partial_rotary_factor=0.3 must be in (0, 1] and rotate an even "
                                                          "number of each head's 32 dimensions", "not 9"]),
     ({"partial_rotary_factor": 0.5}, [f"partial_rotary_factor=0.5 needs arch: {archs_taking('partial_rotary_factor')} (GPT-2"]),

@@ -273,10 +273,11 @@ def test_llama3_rope_scaling_gives_transformers_logits_past_the_original_context
         plain.load_state_dict(state)
         assert (plain(x)[0] - hf(x).logits).abs().max() > 1e-3  # 10x the agreement: the scaling matters here
     assert hf_config(cfg, 0)["rope_scaling"] == scaling
-    config.rope_scaling = dict(scaling, rope_type="yarn")
+    config.rope_scaling = dict(scaling, rope_type="dynamic")
     config.save_pretrained(tmp_path)
     from fsdp_gpt.config import UserError
-    with pytest.raises(UserError, match=r"RoPE scaling of type 'yarn' is not built here \(only llama3"):
+    with pytest.raises(UserError, match=r"RoPE scaling of type 'dynamic' is not built here \(only llama3, Llama 3.1's, "
+                                        r"and yarn\)"):
         read_hf_folder(str(tmp_path))
 
 
@@ -391,9 +392,13 @@ FOLDERS = {
     # v0.1's window, shorter than the rows of 64 (v0.3's none: tests/test_families.py)
     "mistral": ("MistralForCausalLM", dict(sliding_window=16), "sentencepiece", "LlamaTokenizer"),
     "olmo2": ("Olmo2ForCausalLM", dict(rope_theta=5e5, rms_norm_eps=1e-6), "bytelevel", "GPT2Tokenizer"),
-    # a window (shorter than the rows of 64) on the layer layer_types names sliding, the other full
+    # a window (shorter than the rows of 64) on the layer layer_types names sliding, the other full, YaRN on the
+    # full layer alone past an original context of 32, as the long-context models have it
     "olmo3": ("Olmo3ForCausalLM", dict(sliding_window=16, layer_types=["sliding_attention", "full_attention"],
-                                       rope_theta=1e6, pad_token_id=None), "bytelevel", "GPT2Tokenizer"),
+                                       rope_theta=1e6, rope_scaling=dict(rope_type="yarn", factor=8.0, beta_fast=32,
+                                                                         beta_slow=1, attention_factor=1.2079,
+                                                                         original_max_position_embeddings=32),
+                                       pad_token_id=None), "bytelevel", "GPT2Tokenizer"),
     # Phi-3-mini-4k's window on every layer; its class's pad token, 32000, is past this vocabulary
     "phi3": ("Phi3ForCausalLM", dict(sliding_window=16, pad_token_id=None), "sentencepiece", "LlamaTokenizer"),
     # Phi-4-mini's RoPE on the first 3/4 of each head, its byte-level tokenizer

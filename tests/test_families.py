@@ -36,6 +36,13 @@ MODELS = {
     # OLMo 2's block, a local layer (a window of 8 on rows of 32) then a global one, a RoPE base each
     "olmo3": ("OLMo 3", dict(arch="olmo3", n_kv_head=2, sliding_window=8, window_pattern=["local", "global"],
                              rope_theta=5e5, rope_local_theta=1e4)),
+    # OLMo 3's long-context models: YaRN on the full-attention layers alone (the original context 8, rows of 32)
+    "olmo3_yarn": ("OLMo 3", dict(arch="olmo3", n_kv_head=2, sliding_window=8, window_pattern=["local", "global"],
+                                  rope_theta=5e5, rope_local_theta=5e5, rope_scaling=dict(
+                                      rope_type="yarn", factor=8.0, original_max_position_embeddings=8,
+                                      attention_factor=1.2, beta_fast=32, beta_slow=1))),
+    "llama_yarn": ("Llama", dict(arch="llama", n_kv_head=2, rope_scaling=dict(rope_type="yarn", factor=4.0,
+                                                                           original_max_position_embeddings=8))),
     "phi3": ("Phi-3", dict(arch="phi3", n_kv_head=2, sliding_window=8)),  # qkv_proj and gate_up_proj fused, a window
     "phi4_mini": ("Phi-3", dict(arch="phi3", n_kv_head=2, partial_rotary_factor=0.75)),  # RoPE on 12 of 16 dimensions
     "smollm3": ("SmolLM3", dict(arch="smollm3", n_kv_head=2, rope_pattern=["rope", "nope"])),  # a NoPE layer, tied

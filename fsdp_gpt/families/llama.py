@@ -1,7 +1,7 @@
 """Llama, and the refinements on its layout: Qwen3 (q and k normalised), Qwen3-MoE (experts in its MLPs)."""
 from dataclasses import replace
 
-from fsdp_gpt.family_parts import (LLAMA3_SCALING, PLAIN_ATTENTION, PLAIN_HEAD, QK_NORMED, WINDOW_KEYS, Absent, Family,
+from fsdp_gpt.family_parts import (ROPE_SCALINGS, PLAIN_ATTENTION, PLAIN_HEAD, QK_NORMED, WINDOW_KEYS, Absent, Family,
                                    Rows, refuse_unbuilt)
 
 
@@ -27,6 +27,17 @@ LLAMA_UNBUILT = (("hidden_act", lambda act: act in (None, "silu"), "silu (SwiGLU
 LLAMA_DEFAULTS = {"rms_norm_eps": 1e-6, "rope_theta": 10000.0}
 
 
+def rope_scaling(kind: str, rope: dict, config: dict) -> dict:
+    """The rope_scaling key from config.json's scaling of type `kind`: the numbers its type needs, and those
+    of the others it may have that the folder sets (YaRN's factor, where DeepSeek's folders leave it unset,
+    is the positions' over the original's). A type not built keeps its name alone, which the checks refuse."""
+    needs, may = ROPE_SCALINGS.get(kind, ((), ()))
+    scaling = {"rope_type": kind} | {k: rope.get(k) for k in needs} | {k: rope[k] for k in may if rope.get(k) is not None}
+    if kind == "yarn" and scaling["factor"] is None and rope.get("original_max_position_embeddings"):
+        scaling["factor"] = config["max_position_embeddings"] / rope["original_max_position_embeddings"]
+    return scaling
+
+
 def llama_keys(config: dict, defaults: dict = LLAMA_DEFAULTS) -> dict:
     refuse_unbuilt(config, LLAMA_UNBUILT)
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
@@ -38,7 +49,7 @@ def llama_keys(config: dict, defaults: dict = LLAMA_DEFAULTS) -> dict:
                 n_kv_head=config.get("num_key_value_heads", n_head), bias=False,
                 head_dim=None if head_dim * n_head == config["hidden_size"] else head_dim,
                 rope_theta=float(config.get("rope_theta") or rope.get("rope_theta") or defaults["rope_theta"]),
-                rope_scaling=None if kind == "default" else {"rope_type": kind} | {k: rope.get(k) for k in LLAMA3_SCALING},
+                rope_scaling=None if kind == "default" else rope_scaling(kind, rope, config),
                 qk_norm=False, ffn_hidden=config["intermediate_size"],
                 norm_eps=config.get("rms_norm_eps", defaults["rms_norm_eps"]),
                 tie_embeddings=config.get("tie_word_embeddings", False), moe_experts=0)
