@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fsdp_gpt.distributed import launch
 from fsdp_gpt.distributed import peak_flops
 from fsdp_gpt import model as model_module
+from fsdp_gpt import rope as rope_module
 from fsdp_gpt.optim import muon
 from fsdp_gpt.distributed import precision
 import train_fsdp
@@ -167,7 +168,7 @@ def test_grouped_query_attention_avoids_the_math_kernel(monkeypatch):
     assert model_module.sdpa_takes_gqa(q("cpu", torch.float32))
     torch.manual_seed(0)
     attention = model_module.CausalSelfAttention(GPTConfig(arch="llama", n_head=4, n_kv_head=2, n_embd=32), layer=0)
-    x, rope = torch.randn(2, 16, 32), model_module.rotary(GPTConfig(arch="llama", n_head=4, n_embd=32), torch.arange(16),
+    x, rope = torch.randn(2, 16, 32), rope_module.rotary(GPTConfig(arch="llama", n_head=4, n_embd=32), torch.arange(16),
                                                           10000.0, None)
     calls, sdpa = [], torch.nn.functional.scaled_dot_product_attention
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", lambda q, k, v, **kw: (
