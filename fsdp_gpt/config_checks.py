@@ -49,7 +49,9 @@ def validate_model(cfg: TrainConfig) -> None:
             f"head dimension {'n_embd / n_head = ' * (cfg.head_dim is None)}{head_dim} must be even for RoPE")
     require(cfg.rope_theta > 0, f"rope_theta must be positive, got {cfg.rope_theta}")
     factor = cfg.settled()["partial_rotary_factor"]
-    require(0 < factor <= 1 and int(head_dim * factor) % 2 == 0 and int(head_dim * factor) > 0,
+    # checked where RoPE turns the heads: GPT-2's learned positions take any head_dim
+    require(cfg.family.positions != "rope" or (0 < factor <= 1 and int(head_dim * factor) % 2 == 0
+                                               and int(head_dim * factor) > 0),
             f"partial_rotary_factor={factor} must be in (0, 1] and rotate an even number of each head's {head_dim} "
             f"dimensions (RoPE turns them in pairs), not {int(head_dim * factor)}")
     check_rope_scaling(cfg.rope_scaling, "rope_scaling")

@@ -108,6 +108,7 @@ def test_a_refinement_applies_where_its_keys_are_set():
     (dict(n_kv_head=2), "n_kv_head=2"),
     (dict(arch="llama", bias=True, n_kv_head=2), None),  # bias's default: Llama has none all the same
     (dict(n_kv_head=4, tie_embeddings=True), None),  # what GPT-2 makes of them, said outright
+    (dict(n_embd=66, n_head=2), None),  # an odd head (33 dimensions): learned positions, no RoPE to turn them in pairs
 ])
 def test_a_key_the_family_does_not_take_is_refused_naming_the_layouts_that_do(options, refused):
     """The layouts named are those whose families take the key, from the families' table (a new family
