@@ -33,7 +33,7 @@ def main(argv):
     demo = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "config", "demo_cpu.yaml")
     cfg = parse_args([demo, "--n_layer=8", "--n_embd=512", "--n_head=8", "--vocab_size=256", "--dtype=fp32"] + argv)
     topo = init_distributed(cfg)
-    model = build_model(cfg, GPTConfig(**cfg.model_shape), topo)
+    model = build_model(cfg, GPTConfig(**cfg.model_config), topo)
     optimizer = build_optimizer(cfg, model, topo.device)
     x = torch.randint(0, cfg.vocab_size, (2, cfg.block_size), device=topo.device)
     model(x, x)[1].backward()

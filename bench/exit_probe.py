@@ -28,7 +28,7 @@ TINY = [os.path.join(ROOT, "config", "demo_cpu.yaml"), "--n_layer=2", "--n_head=
 def body() -> None:
     cfg = parse_args(TINY)
     topo = init_distributed(cfg)
-    build_model(cfg, GPTConfig(**cfg.model_shape), topo)
+    build_model(cfg, GPTConfig(**cfg.model_config), topo)
     flag = torch.ones(4)
     for _ in range(5):
         dist.all_reduce(flag)

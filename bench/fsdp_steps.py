@@ -49,7 +49,7 @@ def build(layout: str):
     whole = parallelize.replicated_params
     if layout.endswith("every parameter sharded"):  # fp32: no autocast either way, only what FSDP2 shards differs
         parallelize.replicated_params = lambda *args: set()
-    model = parallelize.build_model(cfg, GPTConfig(**cfg.model_shape), topo)
+    model = parallelize.build_model(cfg, GPTConfig(**cfg.model_config), topo)
     parallelize.replicated_params = whole
     return (model, build_optimizer(cfg, model, topo.device), parallelize.micro_steps(cfg, model),
             parallelize.forward_context(cfg, topo))

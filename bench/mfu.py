@@ -192,7 +192,7 @@ def plain_loop(argv: list[str]) -> None:
     meta = prepare_data(cfg.data_path, cfg.data_source, cfg.tokenizer)
     data = np.memmap(os.path.join(cfg.data_path, "train.bin"), dtype=np.dtype(meta["dtype"]), mode="r")
     torch.manual_seed(cfg.seed)
-    model = GPT(GPTConfig(**cfg.model_shape)).to(device)
+    model = GPT(GPTConfig(**cfg.model_config)).to(device)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     others = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
@@ -254,7 +254,7 @@ def flops_per_token(args: list[str], extra: list[str]) -> int:
     from fsdp_gpt.model import GPT, GPTConfig
     cfg = parse_args(args + BYTES + extra)
     with torch.device("meta"):
-        return GPT(GPTConfig(**cfg.model_shape)).flops_per_token()
+        return GPT(GPTConfig(**cfg.model_config)).flops_per_token()
 
 
 # a kernel's share of the traced steps, by the first pattern its name matches

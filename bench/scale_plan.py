@@ -44,7 +44,7 @@ GPT2_VOCAB = 50304  # 50,257 rounded up to a multiple of 64, as the trainer roun
 
 def meta_model(cfg) -> GPT:
     with torch.device("meta"):
-        return GPT(GPTConfig(**cfg.model_shape))
+        return GPT(GPTConfig(**cfg.model_config))
 
 
 def units(cfg) -> list[list[tuple[str, torch.Size]]]:

@@ -60,8 +60,8 @@ class TrainConfig(ModelKeys):
     steps. Groups start where config_help.GROUPS says."""
     moe_bias_rate: float = key(0.0, "MoE: auxiliary-loss-free balancing, each expert's selection bias moved this much "
                                     "a step towards the mean load (DeepSeek-V3; 0: off)")
-    init_from: str | None = key(None, "a Hugging Face folder (GPT-2, Llama, Qwen3 safetensors) to start from "
-                                      "instead of the seed's weights")
+    init_from: str | None = key(None, "a Hugging Face folder of a family's class (docs/families.md) to start from "
+                                      "instead of the seed's weights: it defines the model")
     data_path: str = key("data/stdlib_bytes", "prepared data (train.bin, val.bin, meta.json: data.py prepare), or "
                                               "a folder of llm.c token shards")
     data_source: str | list | None = key("stdlib", "what to prepare into data_path on first use: files, folders, "
@@ -159,9 +159,11 @@ class TrainConfig(ModelKeys):
     seed: int = key(1337, "initial weights, the data order and dropout masks follow from it")
     straggler_ratio: float = key(1.2, "a log line names the slowest rank when its own time per step (data + "
                                       "compute) is this many times the median rank's")
-    spike_zscore: float = key(6.0, "a step whose loss is this many standard deviations above the mean of the last "
-                                   "spike_window steps is a spike: named, counted in train/spikes (0: off)")
-    spike_window: int = key(100, "steps of loss history a spike is judged against")
+    spike_zscore: float = key(6.0, "a step whose loss lies this many noise levels above the median of the losses "
+                                   "just before it is a spike (the noise: the median absolute deviation of the "
+                                   "step-to-step changes over spike_window steps, scaled as a standard deviation; "
+                                   "observe/spikes.py): named, counted in train/spikes (0: off)")
+    spike_window: int = key(100, "steps of loss history whose changes measure the noise a spike is judged against")
     spike_skip: bool = key(False, "skip a spike's update on every rank, as a non-finite step is (not with fp16)")
     profile_steps: list | None = key(None, "[first, last]: torch.profiler traces of these steps, one per rank, into "
                                            "{tensorboard_dir}/profile/")

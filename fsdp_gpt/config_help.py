@@ -6,6 +6,7 @@ import typing
 
 from fsdp_gpt.config import FIELDS
 from fsdp_gpt.config_parse import USAGE
+from fsdp_gpt.families import FAMILY_KEYS
 
 # each group's first key, in the dataclass's order: --help and docs/config.md list the keys so
 GROUPS = {"arch": "model", "data_path": "data", "train_batch": "batch", "optimizer": "optimizer and schedule",
@@ -29,6 +30,13 @@ def _default(f: dataclasses.Field) -> str:
     return "null" if f.default is None else str(f.default).lower() if isinstance(f.default, bool) else str(f.default)
 
 
+def _meaning(f: dataclasses.Field) -> str:
+    """A key's meaning, and for a key some family lacks where to read which take it (the checks refuse
+    it for the others)."""
+    lacked = " (not every family takes it: docs/families.md)" if f.name in FAMILY_KEYS else ""
+    return f.metadata["meaning"] + lacked
+
+
 def help_text() -> str:
     """What train_fsdp.py --help prints: every key by group, with its type, default and meaning."""
     lines = [USAGE, "", "Config keys: defaults < CONFIG.yaml < --key=value (the last one wins). Values read as YAML:",
@@ -37,7 +45,7 @@ def help_text() -> str:
         lines += ["", group]
         for f in fields:  # the default as an override, then the meaning below it
             lines.append(f"  --{f.name}={_default(f)}  ({_type_name(f)})")
-            lines += textwrap.wrap(f.metadata["meaning"], 100, initial_indent=" " * 6, subsequent_indent=" " * 6,
+            lines += textwrap.wrap(_meaning(f), 100, initial_indent=" " * 6, subsequent_indent=" " * 6,
                                    break_on_hyphens=False)
     return "\n".join(lines)
 
@@ -47,6 +55,6 @@ def keys_markdown() -> str:
     parts = []
     for group, fields in grouped_keys().items():
         parts += [f"### {group}", "", "| key | type | default | meaning |", "| --- | --- | --- | --- |"]
-        parts += [f"| `{f.name}` | {_type_name(f)} | `{_default(f)}` | {f.metadata['meaning']} |" for f in fields]
+        parts += [f"| `{f.name}` | {_type_name(f)} | `{_default(f)}` | {_meaning(f)} |" for f in fields]
         parts.append("")
     return "\n".join(parts)

@@ -1,5 +1,6 @@
 """The docs' lists written once: what README.md and docs/ say of the model families (FAMILIES), the
-config keys (config.py's fields) and the TensorBoard tags (each owner's TAGS) is made from them here.
+config keys (config.py's fields, model_keys.py's rule) and the TensorBoard tags (each owner's TAGS) is
+made from them here.
 
 A generated part of a page sits between `<!-- generated: NAME -->` and `<!-- end: NAME -->` (NAME a
 key of PARTS); `python -m fsdp_gpt.doc_tables` rewrites every such part in place, and
@@ -15,6 +16,7 @@ from fsdp_gpt.config_help import keys_markdown
 from fsdp_gpt.data.loader import BatchLoader
 from fsdp_gpt.families import FAMILIES, FAMILY_KEYS
 from fsdp_gpt.family_parts import ALL_BIASES, Family
+from fsdp_gpt.model_keys import DEFINING_KEYS, MODEL_FIELDS
 from fsdp_gpt.observe.metrics import ProgressLog
 from fsdp_gpt.optim.expert_balance import ExpertBalance
 
@@ -85,6 +87,12 @@ def family_classes() -> str:
     return ", ".join(classes[:-1]) + " or " + classes[-1]
 
 
+def training_keys() -> str:
+    """The model keys that define nothing (model_keys.py's rule): they only say how the model trains."""
+    keys = [f"`{name}`" for name in MODEL_FIELDS if name not in DEFINING_KEYS]
+    return ", ".join(keys[:-1]) + " and " + keys[-1]
+
+
 # ---- the TensorBoard tags ----
 
 TAG_OWNERS = (ProgressLog, BatchLoader, ExpertBalance)  # whose tags a run writes: ProgressLog's and the loop's owners'
@@ -120,7 +128,8 @@ def tags_table() -> str:
 # ---- the pages ----
 
 PARTS = {"families": families_table, "family-keys": family_keys_table, "family-names": family_names,
-         "family-classes": family_classes, "config-keys": keys_markdown, "tensorboard-tags": tags_table}
+         "family-classes": family_classes, "config-keys": keys_markdown, "training-keys": training_keys,
+         "tensorboard-tags": tags_table}
 PART = re.compile(r"<!-- generated: ([\w-]+) -->(.*?)<!-- end: \1 -->", re.S)
 PAGES = ["README.md", "docs/*.md"]
 

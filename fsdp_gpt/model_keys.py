@@ -1,7 +1,17 @@
 """The model's keys, defined once: each with its type, default and meaning. GPTConfig (model.py) is
 these keys with every null default settled by the model's family (families/); TrainConfig
 (config.py) is these keys and the run's; --help, docs/config.md and the checks read them from there.
-Plain Python, no torch: the config reads them without building a model."""
+Plain Python, no torch: the config reads them without building a model.
+
+What a checkpoint keeps of the model is one rule, said by each key (key()'s `defines`): a key that
+changes what the model computes from its weights (their shapes, the positions, attention's windows
+and scale, the head's cap, the routing) defines the model. A checkpoint's `model_config` holds every
+defining key and nothing else (model_config below); a resume must have each alike, but for those its
+family lets a resume change (Family.resumable, checkpoint/ckpt_format.check_model_shape); sample.py,
+evaluate.py and export_hf.py build the model from them. A key that only says how the model trains
+(dropout's rate, how the weights start, a loss's coefficient) defines nothing: `defines=False`, kept
+in the checkpoint's run config alone, free to change on resume. tests/test_model.py holds every key
+to the rule (a defining key's change shows in the weights or the logits; another's does not)."""
 import dataclasses
 from dataclasses import dataclass
 
@@ -18,11 +28,12 @@ WINDOW_KINDS = ("local", "global")
 ROPE_KINDS = ("rope", "nope")
 
 
-def key(default, meaning: str, shape: bool = True):
+def key(default, meaning: str, defines: bool = True):
     """A config key: its default and a one-line meaning (train_fsdp.py --help, docs/config.md).
-    shape (model keys): whether it shapes the weights, so that a checkpoint's model must have it alike
-    and a Hugging Face folder sets it; the others (dropout, ...) are how the model trains."""
-    return dataclasses.field(default=default, metadata={"meaning": meaning, "shape": shape})
+    defines (model keys): whether it changes what the model computes from its weights, so that a
+    checkpoint keeps it as the model's (the rule: this module's docstring); False for a key that only
+    says how the model trains."""
+    return dataclasses.field(default=default, metadata={"meaning": meaning, "defines": defines})
 
 
 @dataclass
@@ -36,14 +47,12 @@ class ModelKeys:
     n_head: int = key(12, "attention (query) heads; must divide n_embd")
     n_embd: int = key(768, "model width")
     dropout: float = key(0.0, "dropout rate after embeddings, in attention and after each sublayer (0: none)",
-                         shape=False)
-    bias: bool = key(True, "biases in Linear and LayerNorm layers, in a family that has them (gpt2; llama has none)")
-    n_kv_head: int | None = key(None, "llama: key/value heads (grouped-query attention), dividing n_head; null: "
-                                      "n_head")
-    head_dim: int | None = key(None, "llama: width of each attention head; null: n_embd / n_head (Qwen3 sets its "
-                                     "own)")
-    rope_theta: float = key(10000.0, "llama: RoPE base")
-    rope_scaling: dict | None = key(None, "llama: RoPE frequency scaling, Llama 3.1's {rope_type: llama3, factor, "
+                         defines=False)
+    bias: bool = key(True, "biases in the linears and norms the family gives them (GPT-2: all; Qwen2: q, k and v's)")
+    n_kv_head: int | None = key(None, "key/value heads (grouped-query attention), dividing n_head; null: n_head")
+    head_dim: int | None = key(None, "width of each attention head; null: n_embd / n_head (Qwen3 sets its own)")
+    rope_theta: float = key(10000.0, "the base of RoPE's frequencies (the global layers', where rope_local_theta is set)")
+    rope_scaling: dict | None = key(None, "RoPE frequency scaling, Llama 3.1's {rope_type: llama3, factor, "
                                           "low_freq_factor, high_freq_factor, original_max_position_embeddings} or "
                                           "YaRN's {rope_type: yarn, factor, original_max_position_embeddings, and "
                                           "optionally beta_fast, beta_slow, attention_factor, truncate}; null: plain RoPE")
@@ -62,20 +71,20 @@ class ModelKeys:
                                             "one global); null: every layer local")
     rope_local_theta: float | None = key(None, "rope: the local layers' RoPE base (Gemma 3: 10,000 beside rope_theta "
                                                "1,000,000); null: rope_theta, with rope_scaling")
-    rope_pattern: list | None = key(None, "llama: which layers rotate q and k, rope or nope (no positions), in a list "
+    rope_pattern: list | None = key(None, "which layers rotate q and k, rope or nope (no positions), in a list "
                                           "repeated over the layers from the first (SmolLM3: three rope, one nope); "
                                           "null: the family's (every layer but in SmolLM3)")
-    partial_rotary_factor: float | None = key(None, "llama: the fraction of each head's dimensions RoPE rotates, the "
-                                                    "first ones (Phi-4-mini: 0.75, Qwen3.5: 0.25; the others carry no "
+    partial_rotary_factor: float | None = key(None, "the fraction of each head's dimensions RoPE rotates, the first "
+                                                    "ones (Phi-4-mini: 0.75, Qwen3.5: 0.25; the others carry no "
                                                     "position); null: the family's (1: the whole head, but in Qwen3.5)")
     attn_scale_dim: int | None = key(None, "attention's scores scaled by 1/sqrt(attn_scale_dim) (Gemma 3's "
                                            "query_pre_attn_scalar); null: head_dim")
     logit_softcap: float | None = key(None, "squash logits into (-cap, cap) with cap * tanh(logits / cap), in fp32; "
                                             "null: off")
-    zero_init_proj: bool = key(False, "attention and MLP output projections start at zero", shape=False)
+    zero_init_proj: bool = key(False, "attention and MLP output projections start at zero", defines=False)
     value_embeds: int = key(0, "the first N blocks mix an embedding of the input tokens into attention's values "
                                "(a vocab_size-row table each)")
-    moe_experts: int = key(0, "llama: routed experts in each MoE MLP, which replaces the dense one (0: dense; "
+    moe_experts: int = key(0, "routed experts in each MoE MLP, which replaces the dense one (0: dense; "
                               "docs/models.md)")
     moe_top_k: int = key(2, "MoE: experts each token is routed to (every token reaches them: dropless)")
     moe_hidden: int | None = key(None, "MoE: each expert's hidden width; null: ffn_hidden / moe_top_k")
@@ -84,7 +93,7 @@ class ModelKeys:
     moe_score: str = key("softmax", "MoE: the router's scores, softmax (Qwen3, OLMoE) or sigmoid (DeepSeek-V3)")
     moe_norm_top_k: bool = key(True, "MoE: renormalise the chosen experts' weights to sum to 1")
     moe_aux_loss: float = key(0.0, "MoE: the load-balancing loss's coefficient (Qwen3's router_aux_loss_coef; 0: "
-                                   "off)", shape=False)
+                                   "off)", defines=False)
 
     @classmethod
     def of(cls, keys: "ModelKeys"):
@@ -96,9 +105,9 @@ class ModelKeys:
         return family_of(self.arch, lambda name: bool(getattr(self, name)))
 
     @property
-    def model_shape(self) -> dict:
-        """The keys that shape the weights: what a checkpoint's model_config holds (with dropout)."""
-        return {name: getattr(self, name) for name in SHAPE_KEYS}
+    def model_config(self) -> dict:
+        """The keys that define the model (DEFINING_KEYS): what a checkpoint's model_config holds."""
+        return {name: getattr(self, name) for name in DEFINING_KEYS}
 
     def settled(self) -> dict:
         """What the keys the family settles come to: each null default, and bias where the family has
@@ -148,4 +157,4 @@ class ModelKeys:
 
 MODEL_FIELDS = {f.name: f for f in dataclasses.fields(ModelKeys)}
 # arch first: a checkpoint of another layout is reported as that, not as its first consequence (bias)
-SHAPE_KEYS = tuple(name for name, f in MODEL_FIELDS.items() if f.metadata["shape"])
+DEFINING_KEYS = tuple(name for name, f in MODEL_FIELDS.items() if f.metadata["defines"])

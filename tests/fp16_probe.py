@@ -18,7 +18,7 @@ from fsdp_gpt.optim.build import build_optimizer  # noqa: E402
 def probe(argv: list[str]) -> None:
     cfg = parse_args(argv + ["--dtype=fp16"])
     topo = init_distributed(cfg)
-    model = build_model(cfg, GPTConfig(**cfg.model_shape), topo)
+    model = build_model(cfg, GPTConfig(**cfg.model_config), topo)
     optimizer = build_optimizer(cfg, model, topo.device)
     scaler = torch.amp.GradScaler(topo.device.type)  # as the trainer makes it for fp16
     compute, reduce_whole_grads = forward_context(cfg, topo), gradient_reduction(model, topo)  # as the trainer

@@ -29,7 +29,7 @@ model_module.GPT.init_weights = spy
 def probe(out_dir: str, argv: list[str]) -> None:
     cfg = parse_args(argv)
     topo = init_distributed(cfg)
-    gpt = build_model(cfg, model_module.GPTConfig(**cfg.model_shape), topo)
+    gpt = build_model(cfg, model_module.GPTConfig(**cfg.model_config), topo)
     local = sum(local_slice(p)[0].numel() for p in gpt.parameters())
     full = get_model_state_dict(gpt, options=FULL_OPTIONS)
     if topo.is_main:

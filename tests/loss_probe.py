@@ -49,7 +49,7 @@ def probe(argv: list[str]) -> None:
     cfg = parse_args(argv)
     loss.CHUNK_ELEMENTS["cpu"] = 8 * cfg.vocab_size  # chunks of 8 rows: several per micro-batch
     topo = init_distributed(cfg)
-    model = build_model(cfg, GPTConfig(**cfg.model_shape, moe_aux_loss=cfg.moe_aux_loss), topo)
+    model = build_model(cfg, GPTConfig(**cfg.model_config, moe_aux_loss=cfg.moe_aux_loss), topo)
     gpt = getattr(model, "module", model)
     compute = forward_context(cfg, topo)
     rows = torch.randint(0, cfg.vocab_size, (cfg.micro_batch * topo.dp_size, cfg.block_size + 1),

@@ -273,7 +273,7 @@ def test_a_folder_silent_on_a_key_reads_as_its_class_does(family, tmp_path):
 def test_only_the_keys_a_family_lets_change_may_change_on_resume():
     from fsdp_gpt.checkpoint.ckpt_format import check_model_shape
     for arch in ("llama", "gpt2"):
-        saved = GPTConfig(**SMALL, arch=arch).model_shape
+        saved = GPTConfig(**SMALL, arch=arch).model_config
         cfg = TrainConfig(**SMALL | dict(arch=arch, block_size=64, vocab_size=256))
         validate(cfg)
         if arch == "llama":  # RoPE holds no weights per position

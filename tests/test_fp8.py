@@ -142,7 +142,7 @@ def built_fsdp(*overrides: str):
     cfg = parse_args([DEMO, "--dtype=fp32", "--n_layer=2", "--n_head=2", "--n_embd=64", "--block_size=32",
                       "--vocab_size=256", *overrides])
     topo = Topology(0, 1, 0, 1, torch.device("cpu"), "fsdp", init_device_mesh("cpu", (1,), mesh_dim_names=("shard",)))
-    return train_fsdp.build_model(cfg, GPTConfig(**cfg.model_shape), topo)
+    return train_fsdp.build_model(cfg, GPTConfig(**cfg.model_config), topo)
 
 
 def test_scales_of_the_fp8_gathered_weights_and_checkpoints_of_plain_tensors(one_process_group):

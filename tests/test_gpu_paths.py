@@ -100,7 +100,7 @@ def built(wrap: str, *overrides: str):
                       "--eval_iters=1", "--train_batch=4", "--micro_batch=2", *overrides])
     mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("shard",)) if wrap == "fsdp" else None
     topo = Topology(0, 1, 0, 1, torch.device("cpu"), wrap, mesh)
-    return train_fsdp.build_model(cfg, GPTConfig(**cfg.model_shape), topo), cfg, topo
+    return train_fsdp.build_model(cfg, GPTConfig(**cfg.model_config), topo), cfg, topo
 
 
 def test_rope_tables_reach_every_block_in_fp32_under_fsdp(one_process_group):

@@ -111,7 +111,7 @@ def test_checkpoints_written_before_arch_existed_still_load():
     gpt2 = TrainConfig(**{k: v for k, v in old.items()})
     validate(gpt2)
     check_model_shape("checkpoint old.pth", old, gpt2)  # no error
-    assert GPT(GPTConfig(**old)).state_dict().keys() == GPT(GPTConfig(**gpt2.model_shape)).state_dict().keys()
+    assert GPT(GPTConfig(**old)).state_dict().keys() == GPT(GPTConfig(**gpt2.model_config)).state_dict().keys()
     llama = TrainConfig(**old | dict(arch="llama"))
     validate(llama)
     with pytest.raises(UserError, match="checkpoint old.pth has arch=gpt2 but the config has arch=llama"):

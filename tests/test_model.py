@@ -122,3 +122,49 @@ def test_under_autocast_attention_takes_q_k_v_in_one_dtype():
     with torch.autocast("cpu", torch.bfloat16):
         model(idx, idx)
     assert seen == [(torch.bfloat16,) * 3] * 2
+
+
+# model_keys.py's one rule for what a checkpoint keeps of the model: each key, changed from a small
+# model's (the base, with the keys it needs beside it), and whether that changes the weights' shapes or,
+# with the same weights, the logits. Every model key has a row: a new key must say which it is.
+RULE_BASE = dict(arch="llama", vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32)
+MOE = dict(moe_experts=4)
+CHANGED = {  # key: (another value, the keys it needs beside it)
+    "arch": ("gpt2", {}), "vocab_size": (128, {}), "block_size": (32, dict(arch="gpt2")), "n_layer": (3, {}),
+    "n_head": (2, {}), "n_embd": (64, {}), "dropout": (0.5, {}), "bias": (False, dict(arch="gpt2")),
+    "n_kv_head": (2, {}), "head_dim": (16, {}), "rope_theta": (500.0, {}),
+    "rope_scaling": (dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=4), {}),
+    "qk_norm": (True, {}), "tie_embeddings": (True, {}), "ffn_hidden": (128, {}), "norm_eps": (0.1, {}),
+    "mlp": ("geglu", {}), "sliding_window": (4, {}), "window_pattern": (["local", "global"], dict(sliding_window=4)),
+    "rope_local_theta": (100.0, dict(sliding_window=4)), "rope_pattern": (["rope", "nope"], {}),
+    "partial_rotary_factor": (0.5, {}),
+    "attn_scale_dim": (16, {}), "logit_softcap": (0.5, {}), "zero_init_proj": (True, {}), "value_embeds": (1, {}),
+    "moe_experts": (4, {}), "moe_top_k": (1, MOE), "moe_hidden": (16, MOE), "moe_shared": (1, MOE),
+    "moe_dense_layers": (1, MOE), "moe_score": ("sigmoid", MOE), "moe_norm_top_k": (False, MOE),
+    "moe_aux_loss": (0.01, MOE),
+}
+
+
+def what_changes(keys: dict, other: dict) -> str:
+    """"weights" where the two models' weights differ in name or shape; else "logits" where, with the
+    same weights, evaluation's logits differ; else "nothing"."""
+    torch.manual_seed(0)
+    one, two = GPT(GPTConfig(**keys)), GPT(GPTConfig(**other))
+    if {k: v.shape for k, v in one.state_dict().items()} != {k: v.shape for k, v in two.state_dict().items()}:
+        return "weights"
+    two.load_state_dict(one.state_dict())
+    x = torch.randint(0, keys["vocab_size"], (2, keys["block_size"]))
+    with torch.no_grad():
+        return "nothing" if torch.equal(one.eval()(x)[0], two.eval()(x)[0]) else "logits"
+
+
+@pytest.mark.parametrize("key", CHANGED)
+def test_a_key_defines_the_model_exactly_when_it_changes_what_the_model_computes(key):
+    from fsdp_gpt.model_keys import DEFINING_KEYS, MODEL_FIELDS
+    assert set(CHANGED) == set(MODEL_FIELDS), "a model key without a row here: give it one"
+    value, beside = CHANGED[key]
+    keys = RULE_BASE | beside
+    changes = what_changes(keys, keys | {key: value})
+    assert (changes != "nothing") == (key in DEFINING_KEYS), (
+        f"{key}: its change changes {changes}, but model_keys.py has defines={key in DEFINING_KEYS}")

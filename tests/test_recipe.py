@@ -51,7 +51,7 @@ def test_the_recipe_configs(config, parameters):
         assert all(getattr(cfg, k) == getattr(demo, k) for k in ("data_path", "n_layer", "n_embd", "block_size",
                                                                    "train_batch", "max_iters", "seed"))
     cfg.vocab_size = cfg.vocab_size or {"bytes": 256, "gpt2": 50304}[cfg.tokenizer]  # the data's, padded
-    model = GPT(GPTConfig(**cfg.model_shape))
+    model = GPT(GPTConfig(**cfg.model_config))
     if parameters is not None:
         assert f"{model.num_params() / 1e6:.0f}M" == parameters
     with open(os.path.join(ROOT, "config", config)) as f:

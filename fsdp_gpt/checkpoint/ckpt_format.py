@@ -26,7 +26,7 @@ from fsdp_gpt.distributed.float8 import plain
 from fsdp_gpt.distributed.shards import local_slice
 from fsdp_gpt.families import FAMILIES
 from fsdp_gpt.model import GPT, GPTConfig
-from fsdp_gpt.model_keys import SHAPE_KEYS
+from fsdp_gpt.model_keys import DEFINING_KEYS
 
 FULL_RE = re.compile(r"fsdp_cpt(\d+)\.pth$")
 SHARD_RE = re.compile(r"fsdp_sharded_cpt(\d+)_rank(\d+|\{rank\})\.pth$")
@@ -197,13 +197,14 @@ def load_full(path: str, mmap: bool = False, checksum: bool = True) -> dict:
 
 
 def check_model_shape(source: str, saved: dict, cfg) -> dict[str, tuple]:
-    """The model the config builds must be the one `source` holds (keys a checkpoint lacks,
-    written before they existed, take their defaults: the GPT-2 layout), but for the keys its family
-    lets a resume change (Family.resumable: RoPE holds no weights per position, so the same weights
-    run at any block_size, with another base or scaling): their changes are returned, {key: (saved, configured)}."""
+    """The model the config builds must be the one `source` holds, every key that defines the model
+    (model_keys.DEFINING_KEYS) alike (keys a checkpoint lacks, written before they existed, take their
+    defaults: the GPT-2 layout), but for the keys its family lets a resume change (Family.resumable:
+    RoPE holds no weights per position, so the same weights run at any block_size, with another base
+    or scaling): their changes are returned, {key: (saved, configured)}."""
     theirs, ours = GPTConfig(**saved), GPTConfig.of(cfg)
     changes = {}
-    for key in SHAPE_KEYS:  # arch first: a change of layout is refused as that
+    for key in DEFINING_KEYS:  # arch first: a change of layout is refused as that
         was, now = getattr(theirs, key), getattr(ours, key)
         if was == now:
             continue

@@ -3,10 +3,10 @@ command that prints a checkpoint's: `python fsdp_ckpt.py PATH`).
 
 Beside the tensors (`model` and `optimizer`, whole in a full file, a rank's slices in a sharded one),
 every checkpoint holds header()'s fields: `step` (the state after that step), `world_size` (the ranks
-that wrote it), `model_config` (the GPTConfig fields), `config` (the run's resolved config) and
-`train_state`: `next_step` and `seed` (the batches and dropout masks are functions of seed, step and
-rank), then one entry for each field of RunState, under the field's name (the names older
-checkpoints hold).
+that wrote it), `model_config` (the keys that define the model: model_keys.py's rule), `config` (the
+run's resolved config) and `train_state`: `next_step` and `seed` (the batches and dropout masks are
+functions of seed, step and rank), then one entry for each field of RunState, under the field's name
+(the names older checkpoints hold).
 """
 from dataclasses import dataclass
 
@@ -63,5 +63,5 @@ def resumed_train_state(ckpt: dict) -> dict:
 def header(cfg, step: int, world_size: int, owners: dict) -> dict:
     """What a checkpoint of `step` holds beside its tensors; owners: {name: owner} (keep())."""
     kept = {name: owner.state() for name, owner in owners.items()}
-    return {"step": step, "world_size": world_size, "model_config": cfg.model_shape | {"dropout": cfg.dropout},
+    return {"step": step, "world_size": world_size, "model_config": cfg.model_config,
             "config": to_dict(cfg), "train_state": {"next_step": step + 1, "seed": cfg.seed} | kept}
