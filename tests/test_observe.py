@@ -181,6 +181,18 @@ def test_a_figure_reaches_the_console_by_its_row_alone(tmp_path, monkeypatch, ca
     assert [(r["kind"], r["train/skipped_steps"], r["moe/idle"]) for r in records(str(tmp_path))] == [("train", 1, 0.25)] * 2
 
 
+def test_the_slowest_rank_is_found_by_its_columns_names(monkeypatch):
+    """Own time is data + compute, read by the columns' names (StepTimes' order may change), and the
+    console names the rank with its parts."""
+    rows = {"data": [0.01, 0.10, 0.01], "compute": [0.05, 0.06, 0.05], "wait": [0.09, 0.0, 0.09]}
+    for order in (("data", "compute", "wait"), ("wait", "compute", "data")):
+        monkeypatch.setattr(metrics, "TIME_COLUMNS", order)
+        lag = metrics.slowest_rank(torch.tensor([rows[column] for column in order]).t())
+        assert (lag.rank, lag.data_ms, lag.compute_ms) == (1, pytest.approx(100), pytest.approx(60))
+        assert lag.ratio == pytest.approx(0.16 / 0.06)
+    assert metrics.console_fields({"slowest": lag}) == " | slowest rank 1: 2.67x the median (data 100 ms, compute 60 ms a step)"
+
+
 def test_the_logger_writes_the_tags_it_declares(tmp_path, monkeypatch):
     """ProgressLog.TAGS (docs/logging.md's table) is what the logger writes of its own: every tag it
     writes at a log step and an eval of a run with every figure (2 ranks' memory and times, a mixture's

@@ -6,6 +6,7 @@ import os
 import resource
 import statistics
 import time
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -55,19 +56,31 @@ MEMORY_COLUMNS = ("peak", "reserved", "host", "state")
 
 def per_rank_stats(model, optimizer, device: torch.device, times: list[float] = ()) -> torch.Tensor:
     """(world, 4 + len(times)): every rank's GB as MEMORY_COLUMNS, then its `times` (StepTimes.row():
-    seconds per step as TIME_COLUMNS). A collective, the log step's only one: every rank calls it."""
+    seconds per step as TIME_COLUMNS). The log step's gather of every rank's own figures (a figure
+    per rank rides it rather than adding a collective; a sum over the ranks needs its own all-reduce):
+    every rank calls it."""
     mine = torch.tensor([*device_memory_gb(device), host_peak_gb(), state_gb(model, optimizer), *times], device=device)
     every = torch.empty(dist.get_world_size() * len(mine), device=device)
     all_gather_flat(every, mine)
     return every.view(-1, len(mine)).cpu()
 
 
-def slowest_rank(times: torch.Tensor) -> tuple[int, float]:
+class Slowest(NamedTuple):
+    """The rank whose own time a step is the longest: its ratio to the median rank's, and its own time's parts."""
+    rank: int
+    ratio: float
+    data_ms: float
+    compute_ms: float
+
+
+def slowest_rank(times: torch.Tensor) -> Slowest:
     """times: (world, TIME_COLUMNS) seconds per step. The rank whose own time (data + compute: not
-    waiting for the others) is the longest, and its ratio to the median rank's."""
-    own = (times[:, 0] + times[:, 1]).tolist()
+    waiting for the others) is the longest."""
+    column = dict(zip(TIME_COLUMNS, times.t().tolist()))
+    own = [data + compute for data, compute in zip(column["data"], column["compute"])]
     rank = max(range(len(own)), key=own.__getitem__)
-    return rank, own[rank] / max(statistics.median(own), 1e-9)
+    return Slowest(rank, own[rank] / max(statistics.median(own), 1e-9), 1e3 * column["data"][rank],
+                   1e3 * column["compute"][rank])
 
 
 def _duration(seconds: float) -> str:
@@ -87,8 +100,8 @@ def shown(form: str):
 # where the step has them (a form returning "" shows nothing). A figure a maintainer adds (an
 # owner's scalars(), or one computed in ProgressLog.train) shows on the console by a row here and
 # nowhere else. Beside the scalars a line has values of its own: "mfu" (None where the peak is
-# unknown), "spikes" ((step, z) since the last line) and "slowest" (the lagging rank, its
-# ratio to the median, its data and compute ms a step; None where no rank lags).
+# unknown), "spikes" ((step, z) since the last line) and "slowest" (the lagging rank's Slowest;
+# None where no rank lags).
 CONSOLE = [
     ("train/loss", shown("loss {:.4f}")),
     ("train/lr", shown("lr {:.2e}")),
@@ -104,7 +117,8 @@ CONSOLE = [
     ("spikes", lambda spikes, line: " | ".join(
         f"loss spike at step {step} (z {z:.1f}{', update skipped' if line['spike_skip'] else ''})" for step, z in spikes)),
     ("slowest", lambda lag, line: "" if lag is None else (
-        f"slowest rank {lag[0]}: {lag[1]:.2f}x the median (data {lag[2]:.0f} ms, compute {lag[3]:.0f} ms a step)")),
+        f"slowest rank {lag.rank}: {lag.ratio:.2f}x the median (data {lag.data_ms:.0f} ms, compute "
+        f"{lag.compute_ms:.0f} ms a step)")),
 ]
 
 
@@ -219,8 +233,8 @@ class ProgressLog:
             if not math.isnan(values[0]):
                 scalars |= {f"time/{column}_ms/min": 1e3 * min(values), f"time/{column}_ms/median":
                             1e3 * statistics.median(values), f"time/{column}_ms/max": 1e3 * max(values)}
-        slowest, ratio = slowest_rank(times)
-        scalars |= {"time/slowest_rank": slowest, "time/slowest_ratio": ratio}
+        slowest = slowest_rank(times)
+        scalars |= {"time/slowest_rank": slowest.rank, "time/slowest_ratio": slowest.ratio}
         mfu = None
         if self.peak_flops:
             # a CPU's peak with no vector bound is a measurement, which a busy moment undercuts: what
@@ -229,9 +243,7 @@ class ProgressLog:
             mfu = scalars["perf/mfu"] = tokens_per_sec * self.flops_per_token / self.peak_flops
         scalars["perf/eta_s"] = step_time * (self.max_iters - step)
         self._write("train", scalars, step)
-        lag = None
-        if ratio > self.straggler_ratio:
-            lag = (slowest, ratio, *(1e3 * t for t in times[slowest, :2].tolist()))
+        lag = slowest if slowest.ratio > self.straggler_ratio else None
         line = scalars | {"mfu": mfu, "spikes": spikes, "slowest": lag, "spike_skip": self.spike_skip}
         print(f"step {step}/{self.max_iters}{console_fields(line)}", flush=True)
 

@@ -2,12 +2,14 @@
 every rank's wall time equal (the others wait for it inside them).
 
 Per step, on each rank: `data`, the wall time its main thread waited for its batches (a slow disk or
-loader); `compute`, the work the rank did itself: on CPU the main thread's CPU time (a thread blocked
-in a gloo collective uses none), on CUDA the time between events recorded on the compute stream at
-the step's start and end; `wait`, on CPU, the rest of the step's wall time (waiting for other ranks
-in collectives, or for a core). On CUDA `wait` is not told apart: the GPU's queue runs behind the
-host, so host time says nothing of it, and the compute stream's events include its own waits for
-FSDP's collectives (a GPU slower than its peers then shows in every rank's compute, not in its own).
+loader; on CUDA the host's part alone: reading the rows, pinning them and starting their copy);
+`compute`, the work the rank did itself: on CPU the main thread's CPU time (a thread blocked in a
+gloo collective uses none), on CUDA the time between events recorded on the compute stream at the
+step's start and end; `wait`, on CPU, the rest of the step's wall time (waiting for other ranks in
+collectives, or for a core). On CUDA `wait` is not told apart: the GPU's queue runs behind the host,
+so host time says nothing of it, and the compute stream's events include its own waits for FSDP's
+collectives (a GPU slower than its peers then shows in every rank's compute, not in its own) and
+for its batches' host-to-device copies (the loader's side stream: a slow copy shows in compute).
 
 Nothing here waits for the device: CUDA events are only recorded during steps and read at log
 steps, after the loss's .item() has waited for the device anyway.
