@@ -152,7 +152,7 @@ class ProgressLog:
         "mem/rank{r}/{peak,state}_gb": "each rank's peak and its parameters + optimizer state, GB",
         f"time/{_alternatives(TIME_COLUMNS)}_ms/{{min,median,max}}": "over the ranks: each one's ms a step waiting "
                                                                      "for data, computing, and (on CPU) waiting for "
-                                                                     "the others (docs/logging.md)",
+                                                                     "the others (every rank's time, below)",
         "time/slowest_rank": "the rank whose own time (data + compute) is the longest",
         "time/slowest_ratio": "its own time over the median rank's",
         "val/loss": "the val loss, at step 0, each eval_interval and the last step",
