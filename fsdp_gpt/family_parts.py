@@ -60,6 +60,13 @@ class Family:
     rope_pattern: tuple[str, ...] = ("rope",)  # which layers rotate q and k where the rope_pattern key is null
     embed_scale: bool = False  # token embeddings times sqrt(n_embd) (in fp32, whatever their dtype)
     partial_rotary: float = 1.0  # the fraction of each head RoPE rotates where the partial_rotary_factor key is null
+    attn_gate: bool = False  # attention's output times a sigmoid gate, its rows in c_attn after each head's query's
+    shared_expert_gate: bool = False  # the shared experts' output times a sigmoid of one linear of x (Qwen3.5-MoE)
+    # Hugging Face folders that hold this family's model inside another's (a multimodal class's language model):
+    # {their class: the key of config.json holding its config}; such a folder's weights, and a CausalLM's saved
+    # from one, carry the prefix hf_wrapped[0] where the family's names begin with hf_wrapped[1]
+    hf_wrappers: dict = field(default_factory=dict)
+    hf_wrapped: tuple[str, str] | None = None
 
 
 # the block's linears, by their names in model.DecoderBlock: a family with biases everywhere (GPT-2) lists them all

@@ -43,8 +43,9 @@ class GPTConfig(ModelKeys):
 
     @property
     def qkv_widths(self) -> list[int]:
-        """The rows of q, k and v in attention's one matmul: n_head query heads, n_kv_head key and value heads."""
-        return [self.n_head * self.head_dim] + [self.n_kv_head * self.head_dim] * 2
+        """The rows of q, k and v in attention's one matmul: n_head query heads (each with its output gate's
+        rows after it, in a family whose attention is gated), n_kv_head key and value heads."""
+        return [self.n_head * self.head_dim * (2 if self.family.attn_gate else 1)] + [self.n_kv_head * self.head_dim] * 2
 
 
 class OffsetRMSNorm(nn.Module):
@@ -104,6 +105,7 @@ class CausalSelfAttention(nn.Module):
         self.core = causal_attention
         self.n_head, self.n_kv_head, self.head_dim, self.qkv_widths = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.qkv_widths
         self.window = cfg.window_of(layer)  # None: full causal attention
+        self.gated = cfg.family.attn_gate  # the output times a sigmoid gate of its own rows of c_attn (Qwen3.5's)
         self.scale = cfg.attn_scale_dim ** -0.5 if cfg.attn_scale_dim else None  # None: 1/sqrt(head_dim)
         # q, k, v in one matmul
         self.c_attn = nn.Linear(cfg.n_embd, sum(cfg.qkv_widths), bias=has_bias(cfg, "attn.c_attn"))
@@ -122,6 +124,8 @@ class CausalSelfAttention(nn.Module):
         B, T, C = x.shape
         qkv = self.c_attn(x)
         q, k, v = qkv.split(self.qkv_widths, dim=2)
+        if self.gated:  # each head's query rows, then its gate's (Qwen3.5's q_proj)
+            q, gate = (t.reshape(B, T, -1) for t in q.view(B, T, self.n_head, 2 * self.head_dim).chunk(2, dim=-1))
         if hasattr(self, "value_embed"):
             v = self.value_mix[0] * v + self.value_mix[1] * self.value_embed(idx)
         q, k = self.qk_normed(q, k, "projection")  # OLMo 2's: the whole of each, before the heads split
@@ -140,6 +144,8 @@ class CausalSelfAttention(nn.Module):
             grouped = False
         y = self.core(q, k, v, self.dropout if self.training else 0.0, grouped, docs, self.window, self.scale)
         y = y.transpose(1, 2).contiguous().view(B, T, self.n_head * self.head_dim)
+        if self.gated:
+            y = y * torch.sigmoid(gate)
         return self.resid_dropout(self.c_proj(y))
 
     def qk_normed(self, q: torch.Tensor, k: torch.Tensor, scope: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,7 +198,7 @@ class DecoderBlock(nn.Module):
         self.ln_2 = block_norm(before)
         if cfg.moe_experts and layer >= cfg.moe_dense_layers:
             shared = MLP(cfg, cfg.moe_shared * cfg.moe_hidden) if cfg.moe_shared else None
-            self.mlp = MoE(cfg, ACTIVATIONS["swiglu"], shared)
+            self.mlp = MoE(cfg, ACTIVATIONS["swiglu"], shared, cfg.family.shared_expert_gate)
         else:
             self.mlp = MLP(cfg)
         self.ln_attn_out, self.ln_mlp_out = block_norm(after), block_norm(after)

@@ -101,7 +101,8 @@ def run_local(experts: GroupedExperts, x: torch.Tensor, counts: torch.Tensor) ->
 
 
 class MoE(nn.Module):
-    """The MLP of a DecoderBlock as a mixture: routed experts, optionally shared experts beside them.
+    """The MLP of a DecoderBlock as a mixture: routed experts, optionally shared experts beside them
+    (their output gated by a sigmoid of x where shared_gate is set: Qwen3.5-MoE's).
 
     expert_bias: DeepSeek-V3's auxiliary-loss-free balancing, a per-expert bias added to the scores
     for the choice of experts only (the weights stay the scores'); a parameter without gradient that
@@ -109,12 +110,14 @@ class MoE(nn.Module):
     While training, each forward leaves its routing's figures for that loop: the token count of each
     expert, the load-balancing loss (aux_loss, with its gradient) and one forward counted."""
 
-    def __init__(self, cfg, activation, shared: nn.Module | None = None):
+    def __init__(self, cfg, activation, shared: nn.Module | None = None, shared_gate: bool = False):
         super().__init__()
         self.n_experts, self.top_k, self.score, self.norm_top_k = cfg.moe_experts, cfg.moe_top_k, cfg.moe_score, cfg.moe_norm_top_k
         self.router = nn.Linear(cfg.n_embd, cfg.moe_experts, bias=False)
         self.experts = GroupedExperts(cfg.moe_experts, cfg.n_embd, cfg.moe_hidden, activation)
         self.shared = shared
+        # Qwen3.5-MoE's: the shared experts' output times sigmoid(shared_gate(x)), a weight a token
+        self.shared_gate = nn.Linear(cfg.n_embd, 1, bias=False) if shared is not None and shared_gate else None
         self.expert_bias = nn.Parameter(torch.empty(cfg.moe_experts), requires_grad=False)
         self.run_experts = run_local  # replaceable from outside
         self.aux_loss, self.pending = None, None
@@ -152,7 +155,8 @@ class MoE(nn.Module):
         inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
         y = (out[inverse].view(B * T, self.top_k, C) * weights.unsqueeze(-1).to(out.dtype)).sum(1)
         if self.shared is not None:
-            y = y + self.shared(x)
+            shared = self.shared(x)
+            y = y + (shared if self.shared_gate is None else torch.sigmoid(self.shared_gate(x)) * shared)
         if self.training:
             self._record(counts, scores)
         return y.view(B, T, C)

@@ -13,6 +13,7 @@ from fsdp_gpt.families import FAMILIES
 from fsdp_gpt.hf_format import fused_like, hf_config, hf_model_keys, read_hf_folder, their_weight, to_hf
 from fsdp_gpt.family_parts import ALL_BIASES, ONE_WINDOW
 from fsdp_gpt.model import ACTIVATIONS, GPT, NORM_PLACES, NORMS, QK_NORM_WIDTHS, GPTConfig
+from fsdp_gpt.moe import MoE
 
 SMALL = dict(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=64)
 # a small model of each family, and of the options its Hugging Face class maps otherwise: (family, options)
@@ -46,6 +47,11 @@ MODELS = {
     "phi3": ("Phi-3", dict(arch="phi3", n_kv_head=2, sliding_window=8)),  # qkv_proj and gate_up_proj fused, a window
     "phi4_mini": ("Phi-3", dict(arch="phi3", n_kv_head=2, partial_rotary_factor=0.75)),  # RoPE on 12 of 16 dimensions
     "smollm3": ("SmolLM3", dict(arch="smollm3", n_kv_head=2, rope_pattern=["rope", "nope"])),  # a NoPE layer, tied
+    # gated attention, q and k normalised per head, (1 + weight) norms, RoPE on a quarter of each head (4 of 16)
+    "qwen3_5": ("Qwen3.5", dict(arch="qwen3_5", n_kv_head=2, rope_theta=1e6)),
+    # every layer's experts beside a shared one its gate weighs
+    "qwen3_5_moe": ("Qwen3.5-MoE", dict(arch="qwen3_5", n_kv_head=2, moe_experts=4, moe_top_k=2, moe_hidden=32,
+                                       moe_shared=1, tie_embeddings=True)),
 }
 
 
@@ -80,15 +86,22 @@ def test_each_family_builds_what_its_entry_says(model):
     assert hasattr(gpt, "wpe") == (family.positions == "learned")
     assert (gpt.lm_head.weight is gpt.wte.weight) == options.get("tie_embeddings", family.tied)
     block = gpt.blocks[0]  # its structure, the entry's fields
+    mlp = block.mlp.shared if isinstance(block.mlp, MoE) else block.mlp  # a mixture's dense MLP: its shared experts
     for linear in ALL_BIASES:
-        assert (block.get_submodule(linear).bias is not None) == (linear in family.biases and cfg.bias), linear
+        owner, name = linear.split(".")
+        assert (getattr(mlp if owner == "mlp" else block.attn, name).bias is not None) == (linear in family.biases and
+                                                                                             cfg.bias), linear
     before, after = NORM_PLACES[family.norms]
     assert [type(getattr(block, name)) is not torch.nn.Identity for name in ("ln_1", "ln_2", "ln_attn_out", "ln_mlp_out")
             ] == [before, before, after, after]
     assert hasattr(block.attn, "ln_q") == cfg.qk_norm
     if cfg.qk_norm:  # each head's width or the whole projection's
         assert (block.attn.ln_q.weight.numel(), block.attn.ln_k.weight.numel()) == QK_NORM_WIDTHS[family.qk_norm_scope](cfg)
-    assert block.mlp.activation is ACTIVATIONS[options.get("mlp", family.mlp)]
+    assert mlp.activation is ACTIVATIONS[options.get("mlp", family.mlp)]
+    assert block.attn.c_attn.out_features == sum(cfg.qkv_widths) == (1 + family.attn_gate) * cfg.n_head * cfg.head_dim \
+        + 2 * cfg.n_kv_head * cfg.head_dim  # a gated family's gate rows beside the queries'
+    if isinstance(block.mlp, MoE):
+        assert (block.mlp.shared_gate is not None) == family.shared_expert_gate
     assert gpt.wte.weight.std().item() == pytest.approx(family.init_std, rel=0.05)
 
 
