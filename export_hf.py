@@ -1,7 +1,7 @@
 """Export a checkpoint as a Hugging Face folder of its family's class (needs `pip install transformers`).
 The classes are the families' (FAMILIES in fsdp_gpt/families/; --help lists them, docs/families.md too).
 
-python export_hf.py CHECKPOINT OUT_DIR [--dtype fp32|bf16] [--max_shard_size 5GB]
+python export_hf.py CHECKPOINT OUT_DIR [--dtype fp32|bf16] [--max_shard_size 5GB] [--whole_folder [SOURCE]]
 
 CHECKPOINT: a full file, any rank's file of a sharded set or its .complete marker, or a folder (its newest complete
 checkpoint). OUT_DIR gets config.json and the weights as safetensors (shards of at most
@@ -11,6 +11,13 @@ run's tokenizer: a Hugging Face tokenizer's files copied (its tokenizer_config.j
 transformers 4.51 and 5.x both load, whichever wrote it), a tiktoken encoding or bytes converted
 (encoding alike). --dtype fp32 (the default) writes the trained weights exactly;
 bf16 halves the folder (for serving and sharing) at bf16's rounding of every weight.
+
+--whole_folder writes instead the Hugging Face folder the run started from (its init_from, or SOURCE)
+with the trained weights in place of its language model's: every other file as it was (a multimodal
+folder's vision tower and processor files, its tokenizer, chat template), so that a Qwen3.5 continued on
+text stays the Qwen3_5ForConditionalGeneration it was; the weights in the dtypes the folder held them
+in (fp32 with --dtype fp32, bf16 with bf16), config.json's language-model config updated where the run
+changed it (RoPE's base or scaling, a window).
 """
 import argparse
 import json
@@ -27,6 +34,7 @@ from fsdp_gpt.data.tokenizer_export import save_tokenizer
 from fsdp_gpt.distributed.float8 import quiet_torchao
 from fsdp_gpt.families import FAMILIES
 from fsdp_gpt.hf_format import fused_like, hf_config, to_hf
+from fsdp_gpt.hf_whole_folder import write_whole_folder
 from fsdp_gpt.model import GPTConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -54,7 +62,10 @@ def add_legacy_keys(path: str, keys: dict, dtype: str) -> None:
         json.dump(config, f, indent=2)
 
 
-def export(checkpoint: str, out_dir: str, dtype: str = "fp32", max_shard_size: str = "5GB") -> None:
+def export(checkpoint: str, out_dir: str, dtype: str | None = None, max_shard_size: str = "5GB",
+           whole_folder: str | None = None) -> None:
+    """A plain export (dtype None: fp32), or with whole_folder (a path, or "init_from": the run's) the
+    source folder with the trained weights in it (dtype None: the source's own)."""
     try:
         with quiet_torchao():  # the models' module imports torchao where it is installed (fp8's extra)
             from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel  # noqa: F401
@@ -65,6 +76,18 @@ def export(checkpoint: str, out_dir: str, dtype: str = "fp32", max_shard_size: s
     tokenizer = get_tokenizer(ckpt["config"]["tokenizer"])
     bos = getattr(tokenizer, "bos_token", None)  # a Hugging Face tokenizer's own (Gemma's <bos>), where it names one
     keys = hf_config(cfg, tokenizer.eot_token, bos)
+    if whole_folder:
+        source = ckpt["config"].get("init_from") if whole_folder == "init_from" else whole_folder
+        if not source:
+            raise UserError(f"export_hf.py --whole_folder: {checkpoint}'s run has no init_from: name the source folder "
+                            f"(--whole_folder=FOLDER)")
+        clear_weights(out_dir)
+        wrote = write_whole_folder(to_hf(state, cfg), keys, cfg.family, cfg.tie_embeddings, source, out_dir,
+                                   DTYPES.get(dtype))
+        print(f"wrote {out_dir}/ ({source}/ as it was, a {wrote}, with the trained {cfg.family.hf_class}'s weights in "
+              f"{dtype or 'its dtypes'}) from {checkpoint}, step {ckpt['step']}")
+        return
+    dtype = dtype or "fp32"
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(keys.pop("model_type"), **keys))
     model.load_state_dict(fused_like(to_hf(state, cfg), model.state_dict()))
     model.to(DTYPES[dtype]).config.torch_dtype = DTYPES[dtype]
@@ -83,10 +106,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("checkpoint",
                         help="a full file, any rank's file of a sharded set or its .complete marker, or a folder")
     parser.add_argument("out_dir")
-    parser.add_argument("--dtype", choices=DTYPES, default="fp32", help="fp32 (exact; default) or bf16 (half the size)")
+    parser.add_argument("--dtype", choices=DTYPES, default=None,
+                        help="fp32 (exact; the default) or bf16 (half the size); with --whole_folder: the folder's own")
     parser.add_argument("--max_shard_size", default="5GB", help="largest safetensors file (default 5GB)")
+    parser.add_argument("--whole_folder", nargs="?", const="init_from", default=None, metavar="SOURCE",
+                        help="write the folder the run started from (its init_from, or SOURCE) with the trained "
+                             "weights in place of its language model's, every other file as it was")
     args = parser.parse_args(argv)
-    export(args.checkpoint, args.out_dir, args.dtype, args.max_shard_size)
+    export(args.checkpoint, args.out_dir, args.dtype, args.max_shard_size, args.whole_folder)
     return 0
 
 

@@ -104,7 +104,8 @@ def train(cfg) -> int:
     stop = StopRequest()  # first: a preemption or Ctrl-C during start-up still ends with a checkpoint
     topo = init_distributed(cfg)
     if cfg.init_from:  # the folder defines the model (and the tokenizer, unless one is named)
-        if (note := agree(lambda: define_model(cfg))) and topo.is_main:
+        notes = agree(lambda: define_model(cfg))
+        for note in notes if topo.is_main else []:
             print(f"note: {note}", flush=True)
     accum_steps = accumulation_steps(cfg, topo)
     dtype = compute_dtype(cfg.dtype, topo.device)

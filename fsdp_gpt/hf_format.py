@@ -9,12 +9,14 @@ transformers.
 import dataclasses
 import os
 import re
+from typing import NamedTuple
 
 import torch
 
 from fsdp_gpt.config import UserError
 from fsdp_gpt.config_checks import check_rope_scaling, validate_model
 from fsdp_gpt.families import FAMILIES
+from fsdp_gpt.families.unbuilt import UNBUILT_CLASSES
 from fsdp_gpt.family_parts import Absent, Family, Rows
 from fsdp_gpt.files import read_json
 from fsdp_gpt.model import GPT, GPTConfig
@@ -145,7 +147,7 @@ def _shown(value) -> str:
     return "null" if value is None else str(value)
 
 
-def define_model(cfg) -> str | None:
+def define_model(cfg) -> list[str]:
     """init_from: the folder's config.json sets every model key of cfg. A key the config file or the
     command line gave (cfg.given), null included, that contradicts the folder is refused, naming both
     values, but for the context keys its family lets a resume change (Family.resumable: a window,
@@ -156,7 +158,8 @@ def define_model(cfg) -> str | None:
     tokenizer is the folder's unless one is named; block_size stays the config's, past the folder's
     positions only with a rotary layout (said in the note). Then the checks that read the model's keys
     run (the config's others were checked when it was read): a refusal that names a key the folder
-    set says it is the folder's."""
+    set says it is the folder's. The notes returned say what changed and, for a multimodal folder,
+    which part of it trains."""
     keys, longest = hf_model_keys(cfg.init_from)
     family, changes, changed = GPTConfig(**keys).family, [], set()
     for key, value in keys.items():
@@ -184,32 +187,86 @@ def define_model(cfg) -> str | None:
         key, why = refused
         raise UserError(f"init_from {cfg.init_from} holds a {family.hf_class}: {why}, so the run would train another "
                         f"model than the folder's: drop {key} from the config and the command line")
-    return (f"the context changes from init_from {cfg.init_from}: {', '.join(changes)}; the weights are the "
-            f"folder's") if changes else None
+    notes = [f"the context changes from init_from {cfg.init_from}: {', '.join(changes)}; the weights are the "
+             f"folder's"] if changes else []
+    if (found := read_folder_config(cfg.init_from)).wrapper:
+        notes.append(f"init_from {cfg.init_from} holds a {found.wrapper}: its language model ({found.key}) trains, as "
+                     f"a {family.hf_class}; the rest ({', '.join(found.beside) or 'its other weights'}) is left in the "
+                     f"folder as it is (export_hf.py --whole_folder writes the folder back with the trained language "
+                     f"model)")
+    return notes
 
 
-def _config_keys(folder: str) -> dict:
+class Folder(NamedTuple):
+    """What a folder's config.json holds: the family, the config its hf_keys read (a multimodal class's
+    language model's, under the wrapper's key), and where the folder is a wrapper its class, that key
+    and the others' (its vision tower's config)."""
+    family: Family
+    config: dict
+    wrapper: str | None = None
+    key: str | None = None
+    beside: tuple[str, ...] = ()
+
+
+def hf_classes() -> dict[str, tuple[Family, str | None]]:
+    """{class: (family, the key of its language model's config)} of every class init_from reads: each
+    family's own (key None) and the multimodal classes that hold one (hf_wrappers)."""
+    return {family.hf_class: (family, None) for family in FAMILIES} | {
+        wrapper: (family, key) for family in FAMILIES for wrapper, key in family.hf_wrappers.items()}
+
+
+def read_folder_config(folder: str) -> Folder:
     path = os.path.join(folder, "config.json")
     if not os.path.isfile(path):
         raise UserError(f"init_from: {folder}/ has no config.json (a Hugging Face model folder is needed)")
     config = read_json(path, "init_from: the folder is damaged: download the model again")
-    families = {family.hf_class: family for family in FAMILIES}
     # its class, or where config.json names none its model type
     field, architecture = "architectures", (config.get("architectures") or [None])[0]
     if architecture is None:
         field, model_type = "model_type", config.get("model_type")
-        architecture = next((family.hf_class for family in FAMILIES if family.hf_model_type == model_type), model_type)
-    if architecture not in families:
+        architecture = next((cls for cls, (mt, _) in UNBUILT_CLASSES.items() if mt == model_type),
+                            next((family.hf_class for family in FAMILIES if family.hf_model_type == model_type),
+                                 model_type))
+    classes = hf_classes()
+    if architecture in UNBUILT_CLASSES:  # a hybrid: named by the layers it holds
+        raise UserError(f"init_from: {folder}/ holds a {architecture} (config.json's {field}), whose "
+                        f"{UNBUILT_CLASSES[architecture][1]} are not built here; this trainer builds attention layers "
+                        f"(and their hybrids of {', '.join(dict.fromkeys(f.hf_class for f in FAMILIES if f.hf_wrappers))})")
+    if architecture not in classes:
         raise UserError(f"init_from: {folder}/ holds a {architecture} (config.json's {field}); this trainer starts from "
-                        f"{', '.join(families)}")
+                        f"{', '.join(classes)}")
+    family, key = classes[architecture]
+    if key is None:
+        return Folder(family, config)
+    if not isinstance(config.get(key), dict):
+        raise UserError(f"init_from: {path} has no {key!r}, which a {architecture} config holds")
+    # the language model's head is tied as the wrapper's config says (its class reads that, not text_config's)
+    tied = {"tie_word_embeddings": config["tie_word_embeddings"]} if "tie_word_embeddings" in config else {}
+    beside = tuple(other for other, value in config.items() if isinstance(value, dict) and other != key)
+    return Folder(family, config[key] | tied, architecture, key, beside)
+
+
+def _config_keys(folder: str) -> dict:
+    found = read_folder_config(folder)
     try:
-        keys = families[architecture].hf_keys(config)
+        keys = found.family.hf_keys(found.config)
     except KeyError as e:
-        raise UserError(f"init_from: {path} has no {e.args[0]!r}, which a {architecture} config holds")
+        where = f"{found.wrapper} config's {found.key}" if found.wrapper else f"{found.family.hf_class} config"
+        raise UserError(f"init_from: {os.path.join(folder, 'config.json')} has no {e.args[0]!r}, which a {where} holds")
     except ValueError as e:  # what the family does not build, in its words
         raise UserError(f"init_from: {folder}/ {e}")
     check_rope_scaling(keys.get("rope_scaling"), f"init_from: {folder}/")
     return keys
+
+
+def unwrapped(tensors: dict, family: Family) -> dict:
+    """A folder's tensors by the family's names: a multimodal folder's language model (and a CausalLM's
+    saved from one) carries hf_wrapped[0] where they begin with hf_wrapped[1]; the rest (its vision
+    tower) keeps its names, which no weight of model.GPT reads."""
+    if family.hf_wrapped is None:
+        return tensors
+    theirs, ours = family.hf_wrapped
+    return {ours + name[len(theirs):] if name.startswith(theirs) else name: t for name, t in tensors.items()}
 
 
 def read_hf_folder(folder: str) -> tuple[dict, dict]:
@@ -218,7 +275,7 @@ def read_hf_folder(folder: str) -> tuple[dict, dict]:
     the file and what is wrong."""
     keys = _config_keys(folder)
     cfg = GPTConfig(**keys)
-    tensors = per_expert(read_safetensors(folder))
+    tensors = per_expert(unwrapped(read_safetensors(folder), cfg.family))
     with torch.device("meta"):
         expected = GPT(cfg).state_dict()
     state = {}

@@ -24,7 +24,8 @@ LAYER_OF = {group: i for i, groups in enumerate(LAYERS) for group in groups}
 # modules at the package's top that belong to another's group
 GROUP_OF = {"config_help": "config", "config_parse": "config", "config_checks": "config", "moe": "model", "attention": "model", "loss": "model",
             "rope": "model",
-            "model_keys": "families", "family_parts": "families", "safetensors_file": "hf_format"}
+            "model_keys": "families", "family_parts": "families", "safetensors_file": "hf_format",
+            "hf_whole_folder": "hf_format"}
 
 
 def group(module: str) -> str:

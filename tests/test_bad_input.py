@@ -138,6 +138,19 @@ def test_bad_config(override, phrases, corpus, tmp_path, monkeypatch, capsys):
 
 
 
+@pytest.mark.parametrize("architecture, layers", [("KimiLinearForCausalLM", "Kimi Delta Attention (KDA) layers"),
+                                                   ("GraniteMoeHybridForCausalLM", "Mamba 2 layers"),
+                                                   ("Lfm2ForCausalLM", "convolution-only blocks")])
+def test_a_hybrid_folder_of_layers_not_built_stops_in_one_line(architecture, layers, corpus, tmp_path, monkeypatch,
+                                                               capsys):
+    import json
+    (tmp_path / "hybrid").mkdir()
+    (tmp_path / "hybrid" / "config.json").write_text(json.dumps({"architectures": [architecture], "hidden_size": 64}))
+    code = train_in_process([DEMO] + overrides(**(TINY | corpus | {"init_from": str(tmp_path / "hybrid")})), tmp_path,
+                            monkeypatch)
+    one_line(code, capsys, f"holds a {architecture} (config.json's architectures), whose {layers}", "not built here")
+
+
 def test_a_finished_run_lets_go_of_its_folder(corpus, tmp_path, monkeypatch):
     """In one process (a notebook, a loop of one's own), a run that ended holds its folder no more: the
     next run takes it at once, not refused as a live run's (its pid is this process's, alive)."""

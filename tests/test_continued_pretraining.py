@@ -184,7 +184,7 @@ def defined(folder: str, *overrides: str) -> str:
     cfg = parse_args([os.path.join(ROOT, "config", "continue_hf.yaml"), f"--init_from={folder}", "--block_size=64",
                       *overrides])
     try:
-        return f"note: {define_model(cfg)}"
+        return "".join(f"note: {note}" for note in define_model(cfg))
     except UserError as e:
         return f"error: {e}"
 
@@ -344,12 +344,11 @@ def test_a_folder_of_another_architecture_is_named(tmp_path):
     import json
 
     from fsdp_gpt.config import UserError
-    from fsdp_gpt.hf_format import hf_model_keys
-    from fsdp_gpt.families import FAMILIES
-    # a masked model, never a family here; the classes named are the families' table's
+    from fsdp_gpt.hf_format import hf_classes, hf_model_keys
+    # a masked model, never a family here; the classes named are the families' table's, multimodal ones among them
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["BertForMaskedLM"], "hidden_size": 64}))
-    classes = list(dict.fromkeys(family.hf_class for family in FAMILIES))
-    assert "LlamaForCausalLM" in classes
+    classes = list(hf_classes())
+    assert "LlamaForCausalLM" in classes and "Qwen3_5ForConditionalGeneration" in classes
     with pytest.raises(UserError, match=re.escape(f"init_from: {tmp_path}/ holds a BertForMaskedLM (config.json's "
                                                   f"architectures); this trainer starts from {', '.join(classes)}")):
         hf_model_keys(str(tmp_path))
@@ -360,15 +359,18 @@ def test_a_folder_of_another_architecture_is_named(tmp_path):
 def family_tokenizer(folder, kind: str, tokenizer_class: str) -> None:
     """A tokenizer of the family's kind beside its folder, under the class its tokenizer_config.json
     names, as the family's folders do: transformers 5 rebuilds some classes from their own pipeline
-    (Qwen2Tokenizer: NFC, Qwen2's split, bytes), so the file is made with Qwen2's pipeline too."""
+    (Qwen2Tokenizer: NFC, Qwen2's split, bytes; Qwen3_5Tokenizer: its own split), so the file is made
+    with that pipeline too."""
     import json
 
     import tokenizers
     from tokenizers import Regex, normalizers, pre_tokenizers
-    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
     if kind == "sentencepiece":  # Llama 2's kind: Mistral's, Phi-3's
         make_sentencepiece_tokenizer(folder)
-    else:  # byte-level BPE: Qwen2's, OLMo 2's, SmolLM3's
+    else:  # byte-level BPE: Qwen2's, OLMo 2's, SmolLM3's, Qwen3.5's (single digits, marks with their letters)
+        from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+        if kind == "qwen3_5":
+            from transformers.models.qwen3_5.tokenization_qwen3_5 import PRETOKENIZE_REGEX
         make_tokenizer(folder, vocab_size=500)
         path = os.path.join(folder, "tokenizer.json")
         tok = tokenizers.Tokenizer.from_file(path)
@@ -385,6 +387,9 @@ def family_tokenizer(folder, kind: str, tokenizer_class: str) -> None:
 
 SHAPE = dict(vocab_size=576, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256)
+NOT_IN_CLASS = object()  # a key of SHAPE a family's configuration class has no place for (Qwen3.5-MoE's intermediate_size)
+# Qwen3.5's shape beside SHAPE: heads of 16 (RoPE on 4 of their dimensions), its layer types
+QWEN3_5 = dict(head_dim=16, layer_types=["full_attention", "full_attention"])
 # a folder of each family: its transformers class, config.json's keys beside SHAPE (the features it maps),
 # its tokenizer's kind and class
 FOLDERS = {
@@ -406,6 +411,12 @@ FOLDERS = {
     # the second layer without RoPE; its class's pad token, 128004, is past this vocabulary
     "smollm3": ("SmolLM3ForCausalLM", dict(no_rope_layers=[1, 0], pad_token_id=None), "bytelevel",
                 "PreTrainedTokenizerFast"),
+    "qwen3_5": ("Qwen3_5ForCausalLM", QWEN3_5 | dict(tie_word_embeddings=True), "qwen3_5", "Qwen3_5Tokenizer"),
+    # 4 experts, top 2, a shared expert as wide as one of them
+    "qwen3_5_moe": ("Qwen3_5MoeForCausalLM", QWEN3_5 | dict(intermediate_size=NOT_IN_CLASS, num_experts=4,
+                                                           num_experts_per_tok=2, moe_intermediate_size=32,
+                                                           shared_expert_intermediate_size=32), "qwen3_5",
+                    "Qwen3_5Tokenizer"),
 }
 
 
@@ -419,7 +430,8 @@ def family_folder(tmp_path_factory, name: str) -> str:
         pytest.skip(f"transformers {transformers.__version__} has no {architecture}")
 
     def make(folder: str) -> None:
-        config = getattr(transformers, architecture.replace("ForCausalLM", "Config"))(**SHAPE, **keys)
+        config = getattr(transformers, architecture).config_class(**{k: v for k, v in (SHAPE | keys).items()
+                                                                     if v is not NOT_IN_CLASS})
         torch.manual_seed(0)
         model = getattr(transformers, architecture)(config)
         with torch.no_grad():

@@ -233,6 +233,33 @@ def test_a_folder_of_what_is_not_built_is_refused_naming_the_field(config, refus
         hf_model_keys(str(tmp_path))
 
 
+# the hybrids whose other layers are not built, as their folders name them: class, model_type, what is named
+HYBRIDS = [("KimiLinearForCausalLM", "kimi_linear", "Kimi Delta Attention (KDA) layers"),
+           ("GraniteMoeHybridForCausalLM", "granitemoehybrid", "Mamba 2 layers (Granite 4's"),
+           ("FalconH1ForCausalLM", "falcon_h1", "a Mamba 2 mixer beside attention in every layer"),
+           ("Lfm2ForCausalLM", "lfm2", "convolution-only blocks (layer_types' conv)"),
+           ("OlmoHybridForCausalLM", "olmo_hybrid", "OLMo Hybrid's Gated DeltaNet layers"),
+           (None, "bamba", "Mamba 2 layers")]  # a folder naming no class: by its model_type
+
+
+@pytest.mark.parametrize("architecture, model_type, layers", HYBRIDS)
+def test_a_hybrid_whose_layers_are_not_built_is_refused_naming_them(architecture, model_type, layers, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_FOLDER | dict(
+        architectures=architecture and [architecture], model_type=model_type, layer_types=["linear_attention"] * 2)))
+    with pytest.raises(UserError) as refused:
+        hf_model_keys(str(tmp_path))
+    assert str(refused.value).startswith(f"init_from: {tmp_path}/ holds a ") and f", whose {layers}" in str(refused.value)
+    assert "are not built here; this trainer builds attention layers" in str(refused.value)
+
+
+def test_a_qwen3_5_folder_with_a_layer_type_not_built_is_refused_naming_it(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_FOLDER | dict(
+        architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text", layer_types=["mamba", "full_attention"])))
+    with pytest.raises(UserError, match=re.escape(f"init_from: {tmp_path}/ has layer_types ['mamba'] (layer_types); "
+                                                  f"built here: full_attention")):
+        hf_model_keys(str(tmp_path))
+
+
 def test_a_folder_naming_no_class_is_read_by_its_model_type(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_FOLDER | dict(architectures=None)))
     assert hf_model_keys(str(tmp_path))[0]["arch"] == "llama"
