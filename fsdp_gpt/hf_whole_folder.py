@@ -2,7 +2,8 @@
 --whole_folder): every file as it was (a multimodal model's vision tower, its processor and chat
 template, the tokenizer, a multi-token-prediction head), the language model's tensors replaced by the
 trained ones in the files and dtypes that held them, and config.json's language-model config updated
-with what the run may have changed (a context key: RoPE's base or scaling, a window). Needs the
+with what the run may have changed (a context key: RoPE's base or scaling, a window, a context longer
+than the folder's; a shorter one keeps the folder's max_position_embeddings). Needs the
 safetensors library (transformers' own dependency)."""
 import json
 import os
@@ -111,6 +112,9 @@ def write_whole_folder(trained: dict, keys: dict, family: Family, tied: bool, so
                                                          if k != "model_type"}).to_dict()
     update = {k: v for k, v in keys.items() if k not in KEPT_KEYS} | (
         {"rope_parameters": as_5["rope_parameters"]} if as_5.get("rope_parameters") else {})
+    target = config[found.key] if found.key else config
+    if isinstance(target.get("max_position_embeddings"), int):  # rows shorter than the folder's: its context stays
+        update["max_position_embeddings"] = max(update.get("max_position_embeddings", 0), target["max_position_embeddings"])
     config = merged(config, {found.key: update}) if found.key else merged(config, update)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
