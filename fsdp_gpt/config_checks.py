@@ -9,8 +9,8 @@ from fsdp_gpt.config import (COMPILE_MODES, CP_MODES, DECAY_SHAPES, DTYPES, EP_S
                              LR_SCHEDULES, MOE_SCORES, MUON_COEFFICIENTS, OPTIMIZERS, STRATEGIES, TrainConfig,
                              UserError, named_paths)
 from fsdp_gpt.families import ARCHS, FAMILIES
-from fsdp_gpt.family_parts import ROPE_SCALINGS
-from fsdp_gpt.model_keys import MLPS, ROPE_KINDS, WINDOW_KINDS
+from fsdp_gpt.family_parts import LINEAR_KEYS, ROPE_SCALINGS
+from fsdp_gpt.model_keys import MLPS, MIXER_KINDS, MODEL_FIELDS, ROPE_KINDS, WINDOW_KINDS
 
 
 def require(ok: bool, message: str) -> None:
@@ -63,6 +63,7 @@ def validate_model(cfg: TrainConfig) -> None:
             f"rope_pattern must be a list of {' and '.join(ROPE_KINDS)} (each layer's, repeated over the layers), got "
             f"{pattern}")
     check_window(cfg)  # after rope_pattern: it reads which layers rotate
+    check_linear(cfg)
     require(cfg.logit_softcap is None or cfg.logit_softcap > 0,
             f"logit_softcap must be positive (or null: off), got {cfg.logit_softcap}")
     # each unit starts the gathers of the ones after it, a unit holding a block or more: a depth past the
@@ -182,6 +183,31 @@ def check_moe(cfg: TrainConfig) -> None:
             raise UserError(message)
 
 
+def check_linear(cfg: TrainConfig) -> None:
+    """attn_pattern and the linear layers' keys (linear_attention.py)."""
+    pattern = cfg.attn_pattern
+    require(pattern is None or (isinstance(pattern, list) and pattern and all(kind in MIXER_KINDS for kind in pattern)),
+            f"attn_pattern must be a list of {' and '.join(MIXER_KINDS)} (each layer's token mixer, repeated over the "
+            f"layers), got {pattern}")
+    linear = [layer for layer in range(cfg.n_layer) if cfg.mixer_of(layer) == "linear"]
+    if not linear:
+        given = [name for name in LINEAR_KEYS if getattr(cfg, name) != MODEL_FIELDS[name].default]
+        one = len(given) == 1
+        require(not given, f"{', '.join(given)} {'is a key' if one else 'are keys'} of the linear layers, and attn_pattern "
+                           f"makes no layer linear: name some (attn_pattern: [linear, linear, linear, full], say) or "
+                           f"leave {'it' if one else 'them'} out")
+        return
+    for name in LINEAR_KEYS:
+        value = getattr(cfg, name)
+        require(value is None or (type(value) is int and value > 0), f"{name} must be a positive integer, got {value!r}")
+    key_heads, value_heads = cfg.linear_key_heads or cfg.n_head, cfg.linear_value_heads or cfg.linear_key_heads or cfg.n_head
+    require(value_heads % key_heads == 0, f"linear_value_heads={value_heads} must be a multiple of linear_key_heads="
+                                          f"{key_heads} (each key head serves value_heads / key_heads value heads)")
+    require(linear[0] >= cfg.value_embeds,
+            f"value_embeds={cfg.value_embeds} mixes token embeddings into attention's values, and layer "
+            f"{linear[0]} is linear (attn_pattern {pattern}): value_embeds must stop before the first linear layer")
+
+
 def check_window(cfg: TrainConfig) -> None:
     """sliding_window and window_pattern; the attention scale and the local RoPE base."""
     require(cfg.sliding_window is None or cfg.sliding_window > 0,
@@ -218,6 +244,11 @@ def check_context_parallel(cfg: TrainConfig) -> None:
     dtype when the model is built): Ulysses splits every row's tokens and, for attention, the heads
     over the cp_size ranks; the ring cuts each row into 2 x cp_size chunks."""
     cp = cfg.cp_size
+    piece = cfg.block_size // (cp if cfg.cp_mode == "ulysses" else 2 * cp)  # the tokens of a rank's piece of a row
+    if cp > 1 and any(cfg.mixer_of(layer) == "linear" for layer in range(cfg.n_layer)) and piece < cfg.linear_conv - 1:
+        raise UserError(f"cp_size={cp} ({cfg.cp_mode}) cuts rows into pieces of {piece} tokens, shorter than the "
+                        f"linear layers' convolution reaches back (linear_conv - 1 = {cfg.linear_conv - 1}): use a "
+                        f"longer block_size or a smaller cp_size")
     if cfg.cp_mode == "ring":
         if cfg.block_size % (2 * cp):
             raise UserError(f"cp_mode: ring needs 2 x cp_size = {2 * cp} to divide block_size={cfg.block_size}: each "

@@ -76,7 +76,8 @@ ALL_BIASES = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 NO_VALUE_EMBEDS = ("value_embeds", lambda cfg: not cfg.value_embeds, "has no value embeddings")
 PLAIN_HEAD = (("logit_softcap", lambda cfg: not cfg.logit_softcap, "has no logit soft cap"), NO_VALUE_EMBEDS)
 # what only some classes compute beside these: windows (Mistral's one on every layer, Gemma 3's local and global
-# layers), another attention scale, a second RoPE base (Gemma 3's), layers without RoPE (SmolLM3's)
+# layers), another attention scale, a second RoPE base (Gemma 3's), layers without RoPE (SmolLM3's), linear
+# layers (Qwen3.5's Gated DeltaNet)
 NO_WINDOW = ("sliding_window", lambda cfg: cfg.sliding_window is None,
              "attends to every earlier token (no sliding window)")
 ONE_WINDOW = ("window_pattern", lambda cfg: len(set(map(cfg.window_of, range(cfg.n_layer)))) == 1,
@@ -85,11 +86,16 @@ PLAIN_SCORES = (
     ("attn_scale_dim", lambda cfg: cfg.attn_scale_dim in (None, cfg.head_dim), "scales attention by 1/sqrt(head_dim)"),
     ("rope_local_theta", lambda cfg: cfg.rope_local_theta in (None, cfg.rope_theta), "has one RoPE base"),
     ("rope_pattern", lambda cfg: all(map(cfg.rotates, range(cfg.n_layer))), "rotates q and k in every layer"),
-    ("partial_rotary_factor", lambda cfg: cfg.partial_rotary_factor == 1.0, "rotates the whole of each head"))
+    ("partial_rotary_factor", lambda cfg: cfg.partial_rotary_factor == 1.0, "rotates the whole of each head"),
+    ("attn_pattern", lambda cfg: all(cfg.mixer_of(layer) == "full" for layer in range(cfg.n_layer)),
+     "attends in every layer (no linear-attention layers)"))
 PLAIN_ATTENTION = (NO_WINDOW,) + PLAIN_SCORES
 QK_NORMED = ("qk_norm", lambda cfg: cfg.qk_norm, "normalises q and k (qk_norm: true)")  # a class that always does
 # what a resume may change in every family: a window holds no weights
 WINDOW_KEYS = ("sliding_window", "window_pattern")
+# the keys of the linear layers (model_keys.py; refused where attn_pattern makes none)
+LINEAR_KEYS = ("linear_key_heads", "linear_value_heads", "linear_key_dim", "linear_value_dim", "linear_conv",
+               "linear_chunk")
 
 
 def refuse_unbuilt(config: dict, unbuilt: tuple) -> None:

@@ -6,8 +6,9 @@ norm, the positions (learned, as GPT-2's, or rotary, RoPE with the rotate_half c
 where a family differs from most: which linears have biases, where the norms sit around each
 sublayer, q and k normalised per head or over the whole projection, which layers rotate q and k,
 scaled embeddings (Gemma 3); each is read in one place below. The
-options are in GPTConfig, grouped-query attention, sliding windows, mixtures of experts and the
-speedrun recipe's among them (a ReLU^2 MLP, logit soft-capping, zero-initialised projections, value
+options are in GPTConfig, grouped-query attention, sliding windows, mixtures of experts, linear
+layers (Gated DeltaNet in place of attention, linear_attention.py: attn_pattern) and the speedrun
+recipe's among them (a ReLU^2 MLP, logit soft-capping, zero-initialised projections, value
 embeddings).
 """
 import math
@@ -20,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from fsdp_gpt.attention import Documents, causal_attention, sdpa_takes_gqa
 from fsdp_gpt.compat import autocast_dtype
+from fsdp_gpt.linear_attention import GatedDeltaNet, GatedRMSNorm, linear_start
 from fsdp_gpt.loss import chunked_cross_entropy, head_loss_chunk, per_position_cross_entropy
 from fsdp_gpt.model_keys import MLPS, ModelKeys
 from fsdp_gpt.moe import MoE
@@ -70,7 +72,7 @@ class OffsetRMSNorm(nn.Module):
 NORMS = {"layernorm": lambda cfg, width: nn.LayerNorm(width, eps=cfg.norm_eps, bias=cfg.bias),
          "rmsnorm": lambda cfg, width: nn.RMSNorm(width, eps=cfg.norm_eps),
          "rmsnorm_offset": lambda cfg, width: OffsetRMSNorm(width, cfg.norm_eps)}
-NORM_TYPES = (nn.LayerNorm, nn.RMSNorm, OffsetRMSNorm)  # what NORMS builds
+NORM_TYPES = (nn.LayerNorm, nn.RMSNorm, OffsetRMSNorm, GatedRMSNorm)  # what NORMS builds, and a linear layer's
 
 
 def norm(cfg: GPTConfig, width: int) -> nn.Module:
@@ -99,10 +101,12 @@ POSITIONS = {"learned": lambda model, x, positions: (x + model.wpe(positions), N
 
 
 class CausalSelfAttention(nn.Module):
+    plain_core = staticmethod(causal_attention)  # over whole rows in one process
+
     def __init__(self, cfg: GPTConfig, layer: int):
         super().__init__()
         # replaceable from outside (context parallelism runs the core over a whole row split across ranks)
-        self.core = causal_attention
+        self.core = self.plain_core
         self.n_head, self.n_kv_head, self.head_dim, self.qkv_widths = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.qkv_widths
         self.window = cfg.window_of(layer)  # None: full causal attention
         self.gated = cfg.family.attn_gate  # the output times a sigmoid gate of its own rows of c_attn (Qwen3.5's)
@@ -186,6 +190,12 @@ class MLP(nn.Module):
         return self.dropout(self.c_proj(self.activation(self.c_fc(x))))
 
 
+# the projections onto the residual stream, which init_weights scales by 1/sqrt(2 n_layer) (zero_init_proj: zero)
+RESIDUAL_PROJECTIONS = ("c_proj.weight", "experts.c_proj", "attn.out_proj.weight")
+# a block's token mixer, as attn_pattern names it: attention, or Gated DeltaNet's linear attention
+MIXERS = {"full": CausalSelfAttention, "linear": GatedDeltaNet}
+
+
 class DecoderBlock(nn.Module):
     def __init__(self, cfg: GPTConfig, layer: int = 0):
         super().__init__()
@@ -194,7 +204,7 @@ class DecoderBlock(nn.Module):
         def block_norm(here: bool) -> nn.Module:
             return norm(cfg, cfg.n_embd) if here else nn.Identity()
         self.ln_1 = block_norm(before)
-        self.attn = CausalSelfAttention(cfg, layer)
+        self.attn = MIXERS[cfg.mixer_of(layer)](cfg, layer)  # attention, or a linear layer (attn_pattern)
         self.ln_2 = block_norm(before)
         if cfg.moe_experts and layer >= cfg.moe_dense_layers:
             shared = MLP(cfg, cfg.moe_shared * cfg.moe_hidden) if cfg.moe_shared else None
@@ -202,7 +212,7 @@ class DecoderBlock(nn.Module):
         else:
             self.mlp = MLP(cfg)
         self.ln_attn_out, self.ln_mlp_out = block_norm(after), block_norm(after)
-        self.local = self.attn.window is not None  # which RoPE table the block takes
+        self.local = cfg.window_of(layer) is not None  # which RoPE table the block takes
         self.rotates = cfg.rotates(layer)  # whether it takes one at all (SmolLM3's NoPE layers do not)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -245,7 +255,8 @@ class GPT(nn.Module):
     def init_weights(self) -> None:
         """GPT-2's initialisation at the family's init_std; residual projections scaled by
         1/sqrt(2 * n_layer), or zero (zero_init_proj: every block starts as the identity, as in
-        modded-nanogpt). Each norm initialises itself, by what it is (NORMS)."""
+        modded-nanogpt). Each norm initialises itself, by what it is (NORMS); a linear layer's
+        convolution, decay rates and step bias start as linear_attention.linear_start says."""
         std = self.config.family.init_std
         norms = [m for m in self.modules() if isinstance(m, NORM_TYPES)]
         for module in norms:
@@ -254,8 +265,10 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():
             if id(p) in of_norms:
                 continue
-            if name.endswith(("c_proj.weight", "experts.c_proj")):
+            if name.endswith(RESIDUAL_PROJECTIONS):
                 nn.init.normal_(p, mean=0.0, std=0.0 if self.config.zero_init_proj else std / math.sqrt(2 * self.config.n_layer))
+            elif start := linear_start(name):  # a linear layer's convolution, decay rates and step bias
+                start(p)
             elif p.dim() >= 2:
                 nn.init.normal_(p, mean=0.0, std=std)
             elif name.endswith("value_mix"):
@@ -329,21 +342,24 @@ class GPT(nn.Module):
         """The routed experts' weights a token does not use: all of them but its top-k, in every MoE layer."""
         return sum(m.expert_params() * (m.n_experts - m.top_k) for m in self.moe_layers())
 
-    def flops_per_token(self) -> int:
+    def flops_per_token(self) -> float:
         """Training FLOPs per token: forward + backward = 3x the forward's matmuls.
 
         Forward: 2 FLOPs per weight of every Linear (LM head included) and of each token's top-k
         experts, plus the attention products QK^T and AV, 2 * 2 * T * n_embd per layer at full context:
         T keys a query, the convention of PaLM's MFU and nanoGPT's (twice a causal layer's real work);
         a local layer counts its window instead of T (about its real work), so a windowed model's MFU
-        reads low against a full one's at the same speed.
+        reads low against a full one's at the same speed. A linear layer (Gated DeltaNet) counts its rule's
+        and convolution's, linear in T (GatedDeltaNet.flops_per_row).
         """
         cfg = self.config
         matmul_weights = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
         matmul_weights += sum(m.top_k * m.expert_params() for m in self.moe_layers())
-        keys = sum(min(cfg.window_of(layer) or cfg.block_size, cfg.block_size) for layer in range(cfg.n_layer))
+        keys = sum(min(cfg.window_of(layer) or cfg.block_size, cfg.block_size) for layer in range(cfg.n_layer)
+                   if cfg.mixer_of(layer) == "full")
         attention = 4 * keys * cfg.n_head * cfg.head_dim  # GQA or not; a local layer's queries see its window
-        return 3 * (2 * matmul_weights + attention)
+        linear = sum(b.attn.flops_per_row(cfg.block_size) for b in self.blocks if isinstance(b.attn, GatedDeltaNet))
+        return 3 * (2 * matmul_weights + attention) + linear / cfg.block_size
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,

@@ -26,6 +26,8 @@ MLPS = {"gelu": False, "swiglu": True, "relu2": False, "geglu": True}
 WINDOW_KINDS = ("local", "global")
 # what rope_pattern names a layer: rope (q and k rotated) or nope (no positions: SmolLM3's NoPE layers)
 ROPE_KINDS = ("rope", "nope")
+# what attn_pattern names a layer: full (attention) or linear (Gated DeltaNet: linear_attention.py)
+MIXER_KINDS = ("full", "linear")
 
 
 def key(default, meaning: str, defines: bool = True):
@@ -77,6 +79,17 @@ class ModelKeys:
     partial_rotary_factor: float | None = key(None, "the fraction of each head's dimensions RoPE rotates, the first "
                                                     "ones (Phi-4-mini: 0.75, Qwen3.5: 0.25; the others carry no "
                                                     "position); null: the family's (1: the whole head, but in Qwen3.5)")
+    attn_pattern: list | None = key(None, "which layers attend, full (attention) or linear (Gated DeltaNet, "
+                                          "Qwen3.5's linear attention), in a list repeated over the layers from the "
+                                          "first (Qwen3.5: three linear, one full); null: every layer full")
+    linear_key_heads: int | None = key(None, "linear layers: query and key heads; null: n_head")
+    linear_value_heads: int | None = key(None, "linear layers: value heads, a multiple of linear_key_heads (each key "
+                                               "head serves value_heads / key_heads of them); null: linear_key_heads")
+    linear_key_dim: int | None = key(None, "linear layers: width of each query and key head; null: head_dim")
+    linear_value_dim: int | None = key(None, "linear layers: width of each value head; null: linear_key_dim")
+    linear_conv: int = key(4, "linear layers: the causal convolution's kernel over q, k and v, in tokens")
+    linear_chunk: int = key(64, "linear layers: tokens a chunk of the chunked delta rule (how it computes, not what: "
+                                "memory a layer grows with it, the steps of its scan shrink)", defines=False)
     attn_scale_dim: int | None = key(None, "attention's scores scaled by 1/sqrt(attn_scale_dim) (Gemma 3's "
                                            "query_pre_attn_scalar); null: head_dim")
     logit_softcap: float | None = key(None, "squash logits into (-cap, cap) with cap * tanh(logits / cap), in fp32; "
@@ -117,9 +130,13 @@ class ModelKeys:
         ffn_hidden = self.ffn_hidden
         if ffn_hidden is None:  # a gated MLP's 8/3 n_embd (rounded up to 256) holds as many weights as 4 n_embd ungated
             ffn_hidden = 256 * -(-(8 * self.n_embd // 3) // 256) if MLPS.get(mlp) else 4 * self.n_embd
+        head_dim = self.head_dim or self.n_embd // self.n_head
+        key_heads, key_dim = self.linear_key_heads or self.n_head, self.linear_key_dim or head_dim
         return dict(n_kv_head=self.n_kv_head or self.n_head, bias=self.bias and bool(family.biases), mlp=mlp,
                     qk_norm=family.qk_norm if self.qk_norm is None else self.qk_norm,
-                    ffn_hidden=ffn_hidden, head_dim=self.head_dim or self.n_embd // self.n_head,
+                    ffn_hidden=ffn_hidden, head_dim=head_dim, linear_key_heads=key_heads, linear_key_dim=key_dim,
+                    linear_value_heads=self.linear_value_heads or key_heads,
+                    linear_value_dim=self.linear_value_dim or key_dim,
                     tie_embeddings=family.tied if self.tie_embeddings is None else self.tie_embeddings,
                     partial_rotary_factor=family.partial_rotary if self.partial_rotary_factor is None else
                     self.partial_rotary_factor,
@@ -131,6 +148,11 @@ class ModelKeys:
         local, else None (full attention)."""
         pattern = self.window_pattern or ["local"]
         return self.sliding_window if pattern[layer % len(pattern)] == "local" else None
+
+    def mixer_of(self, layer: int) -> str:
+        """Block `layer`'s token mixer, as attn_pattern makes it: full (attention) or linear (Gated DeltaNet)."""
+        pattern = self.attn_pattern or ["full"]
+        return pattern[layer % len(pattern)]
 
     def rotates(self, layer: int) -> bool:
         """Whether block `layer` rotates q and k (RoPE), as rope_pattern or the family's makes it."""

@@ -136,7 +136,7 @@ def whole_rows(gpt: GPT):
     whose lengths vary): the plain attention core and documents."""
     cores, documents = [block.attn.core for block in gpt.blocks], gpt.documents
     for block in gpt.blocks:
-        block.attn.core = causal_attention
+        block.attn.core = block.attn.plain_core
     gpt.documents = Documents.of_rows
     try:
         yield

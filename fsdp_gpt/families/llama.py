@@ -1,8 +1,8 @@
 """Llama, and the refinements on its layout: Qwen3 (q and k normalised), Qwen3-MoE (experts in its MLPs)."""
 from dataclasses import replace
 
-from fsdp_gpt.family_parts import (ROPE_SCALINGS, PLAIN_ATTENTION, PLAIN_HEAD, QK_NORMED, WINDOW_KEYS, Absent, Family,
-                                   Rows, refuse_unbuilt)
+from fsdp_gpt.family_parts import (LINEAR_KEYS, PLAIN_ATTENTION, PLAIN_HEAD, QK_NORMED, ROPE_SCALINGS, WINDOW_KEYS,
+                                   Absent, Family, Rows, refuse_unbuilt)
 
 
 def llama_config(cfg, eot: int | None) -> dict:
@@ -59,7 +59,7 @@ LLAMA = Family(
     name="Llama", arch="llama", when=(), norm="rmsnorm", positions="rope", mlp="swiglu", tied=False, biases=(),
     init_std=0.02,
     takes=frozenset({"n_kv_head", "head_dim", "rope_theta", "rope_scaling", "rope_local_theta", "rope_pattern",
-                     "partial_rotary_factor", "tie_embeddings"}),
+                     "partial_rotary_factor", "tie_embeddings", "attn_pattern"}) | frozenset(LINEAR_KEYS),
     resumable=("block_size", "rope_theta", "rope_scaling", "rope_local_theta") + WINDOW_KEYS,
     hf_class="LlamaForCausalLM", hf_model_type="llama", hf_mlps={"swiglu": "silu"},
     hf_config=llama_config, hf_keys=llama_keys,

@@ -79,11 +79,16 @@ def neuron_normalised(x: torch.Tensor, coefficients: str, beta2: float) -> torch
     return torch.cat([update, moment], dim=-1).to(x.dtype)
 
 
+# the blocks' matrices that are a direction per output, not a map to orthogonalise: an MoE router's (a score
+# per expert) and a linear layer's decay and write-strength projections (a gate per value head)
+NOT_MUON = (".value_embed.", ".router.", ".in_proj_a.", ".in_proj_b.")
+
+
 def is_muon_matrix(name: str, shape: torch.Size) -> bool:
     """Muon's parameters: the 2-D weights inside the DecoderBlocks (named as model.GPT names them)
-    and a mixture's stacked experts (3-D: a matrix per expert); the value embeddings' tables and an
-    MoE router (a score direction per expert, not a map to orthogonalise) take AdamW."""
-    if not name.startswith("blocks.") or ".value_embed." in name or ".router." in name:
+    and a mixture's stacked experts (3-D: a matrix per expert); the value embeddings' tables, an
+    MoE router and a linear layer's gates (NOT_MUON) and its convolution (3-D) take AdamW."""
+    if not name.startswith("blocks.") or any(part in name for part in NOT_MUON):
         return False
     return len(shape) == 2 or (len(shape) == 3 and ".experts." in name)
 
