@@ -58,6 +58,7 @@ class Family:
     qk_norm: bool = False  # q and k normalised where the qk_norm key is null
     qk_norm_scope: str = "head"  # what one qk norm spans (model.QK_NORM_WIDTHS): each head, or the whole projection
     rope_pattern: tuple[str, ...] = ("rope",)  # which layers rotate q and k where the rope_pattern key is null
+    attn_pattern: tuple[str, ...] = ("full",)  # which layers attend (full) or are linear where the attn_pattern key is null
     embed_scale: bool = False  # token embeddings times sqrt(n_embd) (in fp32, whatever their dtype)
     partial_rotary: float = 1.0  # the fraction of each head RoPE rotates where the partial_rotary_factor key is null
     attn_gate: bool = False  # attention's output times a sigmoid gate, its rows in c_attn after each head's query's

@@ -16,7 +16,7 @@ import torch
 from fsdp_gpt.config import UserError
 from fsdp_gpt.config_checks import check_rope_scaling, validate_model
 from fsdp_gpt.families import FAMILIES
-from fsdp_gpt.families.unbuilt import UNBUILT_CLASSES
+from fsdp_gpt.families.unbuilt import BUILT_MIXERS, UNBUILT_CLASSES
 from fsdp_gpt.family_parts import Absent, Family, Rows
 from fsdp_gpt.files import read_json
 from fsdp_gpt.model import GPT, GPTConfig
@@ -230,8 +230,8 @@ def read_folder_config(folder: str) -> Folder:
     classes = hf_classes()
     if architecture in UNBUILT_CLASSES:  # a hybrid: named by the layers it holds
         raise UserError(f"init_from: {folder}/ holds a {architecture} (config.json's {field}), whose "
-                        f"{UNBUILT_CLASSES[architecture][1]} are not built here; this trainer builds attention layers "
-                        f"(and their hybrids of {', '.join(dict.fromkeys(f.hf_class for f in FAMILIES if f.hf_wrappers))})")
+                        f"{UNBUILT_CLASSES[architecture][1]} are not built here; this trainer builds {BUILT_MIXERS} "
+                        f"({', '.join(dict.fromkeys(f.hf_class for f in FAMILIES if 'linear' in f.attn_pattern))})")
     if architecture not in classes:
         raise UserError(f"init_from: {folder}/ holds a {architecture} (config.json's {field}); this trainer starts from "
                         f"{', '.join(classes)}")

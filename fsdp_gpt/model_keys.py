@@ -81,7 +81,8 @@ class ModelKeys:
                                                     "position); null: the family's (1: the whole head, but in Qwen3.5)")
     attn_pattern: list | None = key(None, "which layers attend, full (attention) or linear (Gated DeltaNet, "
                                           "Qwen3.5's linear attention), in a list repeated over the layers from the "
-                                          "first (Qwen3.5: three linear, one full); null: every layer full")
+                                          "first (Qwen3.5: three linear, one full); null: the family's (every layer "
+                                          "full, but in Qwen3.5)")
     linear_key_heads: int | None = key(None, "linear layers: query and key heads; null: n_head")
     linear_value_heads: int | None = key(None, "linear layers: value heads, a multiple of linear_key_heads (each key "
                                                "head serves value_heads / key_heads of them); null: linear_key_heads")
@@ -151,7 +152,7 @@ class ModelKeys:
 
     def mixer_of(self, layer: int) -> str:
         """Block `layer`'s token mixer, as attn_pattern makes it: full (attention) or linear (Gated DeltaNet)."""
-        pattern = self.attn_pattern or ["full"]
+        pattern = self.attn_pattern or self.family.attn_pattern
         return pattern[layer % len(pattern)]
 
     def rotates(self, layer: int) -> bool:

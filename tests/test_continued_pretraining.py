@@ -79,9 +79,9 @@ def gemma3_folder(tmp_path_factory) -> str:
     return str(folder)
 
 
-def exported_as_it_came(folder, checkpoint, export, keys_of_5: tuple[str, ...]) -> dict:
+def exported_as_it_came(folder, checkpoint, export, keys_of_5: tuple[str, ...], rows: int = 64) -> dict:
     """A checkpoint kept by a step at learning rate 0 and its export: the checkpoint's model gives
-    transformers' logits of the folder within 1e-4 on rows of 64 (longer than any window here), the
+    transformers' logits of the folder within 1e-4 on rows of 64 (longer than any window here; `rows`), the
     export loads as the folder's class with its weights and logits exactly, and so does it without the
     keys only transformers 5 reads (keys_of_5: what is left is what 4.5x reads). The export's config.json."""
     import json
@@ -100,7 +100,7 @@ def exported_as_it_came(folder, checkpoint, export, keys_of_5: tuple[str, ...]) 
     assert type(exported) is type(original) is type(read_as_4)
     assert all(torch.equal(a, exported.state_dict()[name]) for name, a in original.state_dict().items())
     ours = load_gpt(str(checkpoint), torch.device("cpu"))[0]
-    idx = torch.randint(0, 500, (2, 64), generator=torch.Generator().manual_seed(0))
+    idx = torch.randint(0, 500, (2, rows), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = original(idx).logits
         torch.testing.assert_close(ours(idx)[0], expected, rtol=1e-4, atol=1e-4)
@@ -389,7 +389,8 @@ SHAPE = dict(vocab_size=576, hidden_size=64, intermediate_size=128, num_hidden_l
              num_key_value_heads=2, max_position_embeddings=256)
 NOT_IN_CLASS = object()  # a key of SHAPE a family's configuration class has no place for (Qwen3.5-MoE's intermediate_size)
 # Qwen3.5's shape beside SHAPE: heads of 16 (RoPE on 4 of their dimensions), its layer types
-QWEN3_5 = dict(head_dim=16, layer_types=["full_attention", "full_attention"])
+QWEN3_5 = dict(head_dim=16, layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+               linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)
 # a folder of each family: its transformers class, config.json's keys beside SHAPE (the features it maps),
 # its tokenizer's kind and class
 FOLDERS = {
@@ -420,18 +421,28 @@ FOLDERS = {
 }
 
 
-def family_folder(tmp_path_factory, name: str) -> str:
+# the rows a family's folder trains on where longer than SMALL's 64: Qwen3.5's linear layers compute by chunks of 64
+# tokens (its class too), so its rows pass two chunks and end inside a third
+ROWS = {"qwen3_5": 150, "qwen3_5_moe": 150}
+
+
+def family_folder(tmp_path_factory, name: str, inside: tuple[str, dict, dict] | None = None) -> str:
     """The family's folder, saved by the transformers installed (5.x, or 4.51 in CI's oldest venv), every
-    weight away from its initial value (biases from zeros, norms from ones), made once a session."""
+    weight away from its initial value (biases from zeros, norms from ones), made once a session. inside:
+    (a multimodal class, its other configs, files beside the weights): the family's model as that class's
+    language model (config.json's text_config)."""
     import torch
     import transformers
     architecture, keys, kind, tokenizer_class = FOLDERS[name]
+    architecture, others, files = inside or (architecture, None, {})
     if not hasattr(transformers, architecture):
         pytest.skip(f"transformers {transformers.__version__} has no {architecture}")
 
     def make(folder: str) -> None:
-        config = getattr(transformers, architecture).config_class(**{k: v for k, v in (SHAPE | keys).items()
-                                                                     if v is not NOT_IN_CLASS})
+        text = {k: v for k, v in (SHAPE | keys).items() if v is not NOT_IN_CLASS}
+        config_class = getattr(transformers, architecture).config_class
+        config = config_class(**text) if others is None else config_class(
+            text_config=text, tie_word_embeddings=text.get("tie_word_embeddings", False), **others)
         torch.manual_seed(0)
         model = getattr(transformers, architecture)(config)
         with torch.no_grad():
@@ -439,7 +450,10 @@ def family_folder(tmp_path_factory, name: str) -> str:
                 p.add_(torch.randn_like(p) * 0.05)
         model.save_pretrained(folder)
         family_tokenizer(folder, kind, tokenizer_class)
-    return shared(tmp_path_factory, f"family_{name}_{transformers.__version__}", make)
+        for file, content in files.items():
+            with open(os.path.join(folder, file), "w") as f:
+                f.write(content)
+    return shared(tmp_path_factory, f"family_{name}_{architecture}_{transformers.__version__}", make)
 
 
 @pytest.mark.compat  # and on transformers 4.51, where it has the class (CI's oldest venv)
@@ -467,19 +481,19 @@ def test_a_family_continues_from_its_folder_and_exports_as_it_came(name, tmp_pat
     in_order = sorted(enumerate(docs), key=lambda doc: doc[0] % VAL_EVERY == VAL_EVERY - 1)  # train's, then val's
     assert prepared["train"] + prepared["val"] == [
         token for _, doc in in_order for token in theirs.encode(doc, add_special_tokens=False) + [meta["eot_token"]]]
-    config = bare_config(tmp_path, None)
+    config, small = bare_config(tmp_path, None), SMALL | dict(block_size=ROWS.get(name, SMALL["block_size"]))
     (tmp_path / "kept").mkdir()
-    kept = run(tmp_path / "kept", config, init_from=folder, **(SMALL | AT_LR_0 | dict(eval_interval=100, sample_tokens=0)))
+    kept = run(tmp_path / "kept", config, init_from=folder, **(small | AT_LR_0 | dict(eval_interval=100, sample_tokens=0)))
     assert kept.returncode == 0, kept.stderr[-3000:]
     checkpoint = tmp_path / "kept" / "ckpt" / "fsdp_cpt1.pth"
     export_hf.export(str(checkpoint), str(tmp_path / "hf"))
-    exported_as_it_came(folder, checkpoint, tmp_path / "hf", ("rope_parameters",))  # 4.5x reads rope_theta
+    exported_as_it_came(folder, checkpoint, tmp_path / "hf", ("rope_parameters",), small["block_size"])  # 4.5x: rope_theta
     assert AutoTokenizer.from_pretrained(tmp_path / "hf").encode(docs[-1], add_special_tokens=False) == \
         theirs.encode(docs[-1], add_special_tokens=False)
     logged = {}
     for nproc in (1, 2):
         (tmp_path / f"ranks{nproc}").mkdir()
-        result = run(tmp_path / f"ranks{nproc}", config, nproc, init_from=folder, **(SMALL | dict(sample_tokens=0)))
+        result = run(tmp_path / f"ranks{nproc}", config, nproc, init_from=folder, **(small | dict(sample_tokens=0)))
         assert result.returncode == 0, result.stderr[-3000:]
         logged[nproc] = {tag: scalars(tmp_path / f"ranks{nproc}" / "tb", tag) for tag in ("train/loss", "val/loss")}
     for tag, values in logged[1].items():

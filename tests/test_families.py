@@ -12,7 +12,7 @@ from fsdp_gpt.config_checks import archs_taking, validate
 from fsdp_gpt.families import FAMILIES
 from fsdp_gpt.hf_format import fused_like, hf_config, hf_model_keys, read_hf_folder, their_weight, to_hf
 from fsdp_gpt.family_parts import ALL_BIASES, ONE_WINDOW
-from fsdp_gpt.model import ACTIVATIONS, GPT, NORM_PLACES, NORMS, QK_NORM_WIDTHS, GPTConfig
+from fsdp_gpt.model import ACTIVATIONS, GPT, MIXERS, NORM_PLACES, NORMS, QK_NORM_WIDTHS, CausalSelfAttention, GPTConfig
 from fsdp_gpt.moe import MoE
 
 SMALL = dict(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=64)
@@ -47,11 +47,14 @@ MODELS = {
     "phi3": ("Phi-3", dict(arch="phi3", n_kv_head=2, sliding_window=8)),  # qkv_proj and gate_up_proj fused, a window
     "phi4_mini": ("Phi-3", dict(arch="phi3", n_kv_head=2, partial_rotary_factor=0.75)),  # RoPE on 12 of 16 dimensions
     "smollm3": ("SmolLM3", dict(arch="smollm3", n_kv_head=2, rope_pattern=["rope", "nope"])),  # a NoPE layer, tied
-    # gated attention, q and k normalised per head, (1 + weight) norms, RoPE on a quarter of each head (4 of 16)
-    "qwen3_5": ("Qwen3.5", dict(arch="qwen3_5", n_kv_head=2, rope_theta=1e6)),
+    # a Gated DeltaNet layer (2 key heads, 4 value heads) then gated attention, q and k normalised per head, (1 + weight)
+    # norms, RoPE on a quarter of each head (4 of 16)
+    "qwen3_5": ("Qwen3.5", dict(arch="qwen3_5", n_kv_head=2, rope_theta=1e6, attn_pattern=["linear", "full"],
+                                linear_key_heads=2, linear_value_heads=4, linear_key_dim=16, linear_value_dim=16)),
     # every layer's experts beside a shared one its gate weighs
     "qwen3_5_moe": ("Qwen3.5-MoE", dict(arch="qwen3_5", n_kv_head=2, moe_experts=4, moe_top_k=2, moe_hidden=32,
-                                       moe_shared=1, tie_embeddings=True)),
+                                       moe_shared=1, tie_embeddings=True, attn_pattern=["linear", "full"],
+                                       linear_key_heads=2, linear_value_heads=4, linear_key_dim=16)),
 }
 
 
@@ -85,7 +88,8 @@ def test_each_family_builds_what_its_entry_says(model):
     assert type(gpt.ln_f) is type(NORMS[family.norm](cfg, 8))
     assert hasattr(gpt, "wpe") == (family.positions == "learned")
     assert (gpt.lm_head.weight is gpt.wte.weight) == options.get("tie_embeddings", family.tied)
-    block = gpt.blocks[0]  # its structure, the entry's fields
+    assert [type(block.attn) for block in gpt.blocks] == [MIXERS[cfg.mixer_of(i)] for i in range(cfg.n_layer)]
+    block = next(block for block in gpt.blocks if isinstance(block.attn, CausalSelfAttention))  # its structure, the entry's
     mlp = block.mlp.shared if isinstance(block.mlp, MoE) else block.mlp  # a mixture's dense MLP: its shared experts
     for linear in ALL_BIASES:
         owner, name = linear.split(".")
@@ -249,7 +253,8 @@ def test_a_hybrid_whose_layers_are_not_built_is_refused_naming_them(architecture
     with pytest.raises(UserError) as refused:
         hf_model_keys(str(tmp_path))
     assert str(refused.value).startswith(f"init_from: {tmp_path}/ holds a ") and f", whose {layers}" in str(refused.value)
-    assert "are not built here; this trainer builds attention layers" in str(refused.value)
+    assert str(refused.value).endswith("are not built here; this trainer builds attention, and Gated DeltaNet layers "
+                                       "beside it as Qwen3.5 has them (Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM)")
 
 
 def test_a_qwen3_5_folder_with_a_layer_type_not_built_is_refused_naming_it(tmp_path):

@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from conftest import assert_quiet, scalars, tool
-from test_continued_pretraining import AT_LR_0, FOLDERS, NOT_IN_CLASS, SHAPE, SMALL, bare_config, family_folder, \
-    family_tokenizer, run
+from test_continued_pretraining import AT_LR_0, FOLDERS, ROWS, SMALL, bare_config, family_folder, run
 from test_hf_tokenizer import write_docs
 
 pytestmark = pytest.mark.slow
@@ -24,31 +23,8 @@ MULTIMODAL = {"qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_moe": "Qwen
 
 
 def multimodal_folder(tmp_path_factory, name: str) -> str:
-    """FOLDERS[name]'s language model inside its multimodal class, with a vision tower and processor files,
-    every weight away from its initial value; made once a session."""
-    import transformers
-
-    from conftest import shared
-    _, keys, kind, tokenizer_class = FOLDERS[name]
-    architecture = MULTIMODAL[name]
-    if not hasattr(transformers, architecture):
-        pytest.skip(f"transformers {transformers.__version__} has no {architecture}")
-
-    def make(folder: str) -> None:
-        text = {k: v for k, v in (SHAPE | keys).items() if v is not NOT_IN_CLASS}
-        config = getattr(transformers, architecture).config_class(text_config=text, vision_config=VISION,
-                                                                  tie_word_embeddings=text.get("tie_word_embeddings", False))
-        torch.manual_seed(0)
-        model = getattr(transformers, architecture)(config)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(torch.randn_like(p) * 0.05)
-        model.save_pretrained(folder)
-        family_tokenizer(folder, kind, tokenizer_class)
-        for file, content in PROCESSOR.items():
-            with open(os.path.join(folder, file), "w") as f:
-                f.write(content)
-    return shared(tmp_path_factory, f"multimodal_{name}_{transformers.__version__}", make)
+    """FOLDERS[name]'s language model inside its multimodal class, with a vision tower and processor files."""
+    return family_folder(tmp_path_factory, name, (MULTIMODAL[name], dict(vision_config=VISION), PROCESSOR))
 
 
 def tensors(folder) -> dict:
@@ -66,7 +42,8 @@ def text_logits(model, idx) -> torch.Tensor:
 def test_a_multimodal_folder_trains_its_language_model_and_exports_both_ways(name, tmp_path_factory, tmp_path):
     """init_from a Qwen3_5(Moe)ForConditionalGeneration folder, no model keys: one line says the language
     model trains and the vision tower stays; a step at learning rate 0 keeps the folder's model (transformers'
-    text logits within 1e-4 on rows of 64), exported as the CausalLM class transformers loads, and as the
+    text logits within 1e-4 on rows of 150: past two of its linear layers' chunks), exported as the CausalLM
+    class transformers loads, and as the
     whole folder: every file and tensor as it came. Trained 2 steps at 2 ranks, the whole folder holds the
     trained language model beside the vision tower as it was, and loads as the multimodal class."""
     import transformers
@@ -79,14 +56,15 @@ def test_a_multimodal_folder_trains_its_language_model_and_exports_both_ways(nam
     write_docs(tmp_path / "docs.jsonl", n=60)
     config = bare_config(tmp_path, tmp_path / "docs.jsonl")
     (tmp_path / "kept").mkdir()
-    kept = run(tmp_path / "kept", config, init_from=folder, **(SMALL | AT_LR_0 | dict(eval_interval=100, sample_tokens=0)))
+    small = SMALL | dict(block_size=ROWS[name])
+    kept = run(tmp_path / "kept", config, init_from=folder, **(small | AT_LR_0 | dict(eval_interval=100, sample_tokens=0)))
     assert kept.returncode == 0, kept.stderr[-3000:]
     causal = FOLDERS[name][0]
     assert (f"note: init_from {folder} holds a {MULTIMODAL[name]}: its language model (text_config) trains, as a "
             f"{causal}; the rest (vision_config) is left in the folder as it is (export_hf.py --whole_folder writes "
             f"the folder back with the trained language model)") in kept.stdout.splitlines()
     checkpoint = tmp_path / "kept" / "ckpt" / "fsdp_cpt1.pth"
-    idx = torch.randint(0, 500, (2, 64), generator=torch.Generator().manual_seed(0))
+    idx = torch.randint(0, 500, (2, ROWS[name]), generator=torch.Generator().manual_seed(0))
     expected = text_logits(original, idx)
     with torch.no_grad():
         torch.testing.assert_close(load_gpt(str(checkpoint), torch.device("cpu"))[0](idx)[0], expected, rtol=1e-4,
@@ -108,7 +86,7 @@ def test_a_multimodal_folder_trains_its_language_model_and_exports_both_ways(nam
     assert all(torch.equal(source[k], whole[k]) for k in source)
     # trained at 2 ranks: the language model's tensors are the checkpoint's, the vision tower's the folder's
     (tmp_path / "trained").mkdir()
-    trained = run(tmp_path / "trained", config, nproc=2, init_from=folder, **(SMALL | dict(sample_tokens=0)))
+    trained = run(tmp_path / "trained", config, nproc=2, init_from=folder, **(small | dict(sample_tokens=0)))
     assert trained.returncode == 0, trained.stderr[-3000:]
     assert_quiet(trained.stderr)
     checkpoint = tmp_path / "trained" / "ckpt" / "fsdp_cpt2.pth"
@@ -131,8 +109,8 @@ def test_a_qwen3_5_run_resumes_bitwise_from_shards(name, tmp_path_factory, tmp_p
     folder = family_folder(tmp_path_factory, name)
     write_docs(tmp_path / "docs.jsonl", n=60)
     config = bare_config(tmp_path, tmp_path / "docs.jsonl")
-    settings = SMALL | dict(max_iters=4, lr_decay_iters=4, save_interval=2, eval_interval=100, sample_tokens=0,
-                            checkpoint_type="sharded")
+    settings = SMALL | dict(block_size=ROWS[name], max_iters=4, lr_decay_iters=4, save_interval=2, eval_interval=100,
+                            sample_tokens=0, checkpoint_type="sharded")
     losses = {}
     for kind, extra in (("whole", {}), ("resumed", dict(resume_from=str(tmp_path / "whole" / "ckpt" /
                                                                          "fsdp_sharded_cpt2_rank0.pth")))):
@@ -153,7 +131,8 @@ def test_qwen3_5_moe_experts_over_two_ranks_train_as_one_process(tmp_path_factor
     logged = {}
     for name, nproc, extra in (("one", 1, {}), ("ep2", 2, dict(ep_size=2))):
         (tmp_path / name).mkdir()
-        result = run(tmp_path / name, config, nproc, init_from=folder, **(SMALL | extra))
+        settings = SMALL | dict(block_size=ROWS["qwen3_5_moe"]) | extra
+        result = run(tmp_path / name, config, nproc, init_from=folder, **settings)
         assert result.returncode == 0, result.stderr[-3000:]
         logged[name] = {tag: scalars(tmp_path / name / "tb", tag) for tag in ("train/loss", "val/loss")}
     assert "expert parallel 2 (2 experts a rank)" in result.stdout

@@ -3,6 +3,8 @@ name: transformers' layer_types call several of them linear_attention (Kimi Line
 and Bamba's Mamba 2 alike), so a folder is told which layer it holds, not only that its class is not
 among the families'. Plain Python, no torch."""
 
+# what is built, as a refusal says it beside the classes of the families that have linear layers
+BUILT_MIXERS = "attention, and Gated DeltaNet layers beside it as Qwen3.5 has them"
 # {class: (config.json's model_type, what its layers hold that is not built)}
 UNBUILT_CLASSES = {
     "KimiLinearForCausalLM": ("kimi_linear", "Kimi Delta Attention (KDA) layers (layer_types' linear_attention)"),
