@@ -331,6 +331,25 @@ def test_only_the_keys_a_family_lets_change_may_change_on_resume():
                 check_model_shape("old.pth", saved, cfg)
 
 
+def test_the_whole_folders_export_finds_each_trained_tensor_by_the_sources_name():
+    """A multimodal source's names (model.language_model.*, the experts stored fused, the vision tower
+    beside them): each trained tensor goes where the source holds it, the fused experts stacked; a source
+    tensor of the language model the trained model lacks is refused, naming it."""
+    from fsdp_gpt.config import UserError
+    from fsdp_gpt.hf_whole_folder import by_stored_name
+    cfg = GPTConfig(**SMALL, **MODELS["qwen3_5_moe"][1])
+    hf = to_hf(trained(cfg).state_dict(), cfg)
+    fused = fused_like(hf, [f"model.layers.{i}.mlp.experts.{p}" for i in range(2) for p in ("gate_up_proj", "down_proj")])
+    stored = [name.replace("model.", "model.language_model.", 1) for name in fused if name != "lm_head.weight"]  # tied
+    found = by_stored_name(hf, stored + ["model.visual.patch_embed.proj.weight"], cfg.family, True, "src")
+    assert sorted(found) == sorted(stored)
+    name = "model.language_model.layers.1.mlp.experts.gate_up_proj"
+    assert torch.equal(found[name], fused["model.layers.1.mlp.experts.gate_up_proj"])
+    with pytest.raises(UserError, match=re.escape("src/ holds 'model.language_model.layers.2.mlp.gate.weight', which "
+                                                  "the trained model has no weight for")):
+        by_stored_name(hf, stored + ["model.language_model.layers.2.mlp.gate.weight"], cfg.family, True, "src")
+
+
 def test_a_folder_whose_experts_are_stored_fused_reads_as_one_stored_per_expert(tmp_path):
     """transformers 5's model holds a mixture's experts fused (experts.gate_up_proj, down_proj): a
     file written from that layout reads back as save_pretrained's per-expert one."""

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from conftest import assert_quiet, scalars, tool
+from conftest import ROOT, assert_quiet, launch, scalars, tool
 from test_continued_pretraining import AT_LR_0, FOLDERS, ROWS, SMALL, bare_config, family_folder, run
 from test_hf_tokenizer import write_docs
 
@@ -100,6 +100,15 @@ def test_a_multimodal_folder_trains_its_language_model_and_exports_both_ways(nam
     with torch.no_grad():
         torch.testing.assert_close(text_logits(after, idx), load_gpt(str(checkpoint), torch.device("cpu"))[0](idx)[0],
                                    rtol=1e-4, atol=1e-4)
+    # into the folder of another model: refused in one line, naming it
+    families = {"qwen3_5": "Qwen3.5", "qwen3_5_moe": "Qwen3.5-MoE"}
+    other_name = next(n for n in MULTIMODAL if n != name)
+    other = family_folder(tmp_path_factory, other_name)
+    refused = launch([os.path.join(ROOT, "export_hf.py"), str(checkpoint), str(tmp_path / "other"),
+                      f"--whole_folder={other}"], ROOT)
+    assert refused.returncode == 2 and [line for line in refused.stderr.splitlines() if line.startswith("error: ")] == [
+        f"error: export_hf.py --whole_folder: {other}/ holds a {families[other_name]} model, the checkpoint a "
+        f"{families[name]} one: give the folder the run started from"]
 
 
 @pytest.mark.parametrize("name", ["qwen3_5", "qwen3_5_moe"])
