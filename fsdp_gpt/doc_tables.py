@@ -41,9 +41,18 @@ def layout(family: Family) -> str:
     """The layout an entry builds where its keys are at their defaults, in words (model.py reads each
     field in one place); a refinement's `when` keys, which the arch column names, add to it."""
     positions = _word(POSITIONS, family.positions)
+    if family.partial_rotary != 1.0:
+        positions += f" on the first {family.partial_rotary:g} of each head"
     if family.rope_pattern != ("rope",):
         positions += f" by layer: `[{', '.join(family.rope_pattern)}]`, repeated"
-    parts = [f"{_word(NORMS, family.norm)} {_word(NORM_PLACES, family.norms)}", positions, _word(MLPS, family.mlp)]
+    parts = [f"{_word(NORMS, family.norm)} {_word(NORM_PLACES, family.norms)}"]
+    if family.attn_pattern != ("full",):
+        parts.append(f"layers by `[{', '.join(family.attn_pattern)}]`, repeated (linear: Gated DeltaNet)")
+    if family.attn_gate:
+        parts.append("attention's output gated (a sigmoid of its own rows of `c_attn`)")
+    parts += [positions, _word(MLPS, family.mlp)]
+    if family.shared_expert_gate:
+        parts.append("the shared experts' output gated (a sigmoid of one linear of x)")
     if family.qk_norm:
         parts.append(f"q and k normalised {_word(QK_NORM_SCOPES, family.qk_norm_scope)}")
     if family.embed_scale:
@@ -62,7 +71,8 @@ def families_table() -> str:
     for f in FAMILIES:
         arch = f"`{f.arch}`" + (f" with {', '.join(f'`{key}`' for key in f.when)} set" if f.when else "")
         resumable = ", ".join(f"`{key}`" for key in f.resumable if key not in everyone) or "nothing more"
-        rows.append(f"| {f.name} | {arch} | {layout(f)} | `{f.hf_class}` | {resumable} |")
+        inside = "".join(f"; the language model of `{wrapper}`" for wrapper in f.hf_wrappers)
+        rows.append(f"| {f.name} | {arch} | {layout(f)} | `{f.hf_class}`{inside} | {resumable} |")
     return "\n".join(rows + ["", f"Every family's resume may change {' and '.join(f'`{k}`' for k in everyone)} "
                                   f"(they hold no weights)."])
 
