@@ -129,6 +129,7 @@ def test_under_autocast_attention_takes_q_k_v_in_one_dtype():
 # with the same weights, the logits. Every model key has a row: a new key must say which it is.
 RULE_BASE = dict(arch="llama", vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32)
 MOE = dict(moe_experts=4)
+LINEAR = dict(attn_pattern=["linear", "full"])
 CHANGED = {  # key: (another value, the keys it needs beside it)
     "arch": ("gpt2", {}), "vocab_size": (128, {}), "block_size": (32, dict(arch="gpt2")), "n_layer": (3, {}),
     "n_head": (2, {}), "n_embd": (64, {}), "dropout": (0.5, {}), "bias": (False, dict(arch="gpt2")),
@@ -143,6 +144,11 @@ CHANGED = {  # key: (another value, the keys it needs beside it)
     "moe_experts": (4, {}), "moe_top_k": (1, MOE), "moe_hidden": (16, MOE), "moe_shared": (1, MOE),
     "moe_dense_layers": (1, MOE), "moe_score": ("sigmoid", MOE), "moe_norm_top_k": (False, MOE),
     "moe_aux_loss": (0.01, MOE),
+    "attn_pattern": (["linear", "full"], {}), "linear_key_heads": (2, LINEAR), "linear_value_heads": (8, LINEAR),
+    "linear_key_dim": (16, LINEAR), "linear_value_dim": (16, LINEAR), "linear_conv": (2, LINEAR),
+    # a chunk past the row's 16 tokens sums alike; a shorter one differs by rounding alone (how, not what:
+    # tests/test_linear_attention.py holds chunks of 16 and 64 to transformers' layer within 1e-5)
+    "linear_chunk": (32, LINEAR),
 }
 
 
