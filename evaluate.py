@@ -21,7 +21,7 @@ from fsdp_gpt.config import UserError, exit_code, named_paths
 from fsdp_gpt.data.loader import BatchLoader
 from fsdp_gpt.data.mixture import Segment
 from fsdp_gpt.data.prepare import prepare_sources
-from fsdp_gpt.distributed.precision import DTYPES, autocast, compute_dtype, pick_device
+from fsdp_gpt.distributed.precision import DTYPES, Chip, autocast, compute_dtype, pick_device
 from fsdp_gpt.evaluation.mc_eval import accuracies, load_sets, mc_sums, truncated
 from fsdp_gpt.evaluation.val_loss import val_loss_sums, val_losses
 
@@ -42,7 +42,7 @@ def main(argv: list[str]) -> int:
     device = pick_device()
     model, ckpt = load_gpt(args.checkpoint, device)
     run = ckpt["config"]
-    dtype = compute_dtype(args.dtype or run["dtype"], device)
+    dtype = compute_dtype(args.dtype or run["dtype"], Chip.of(device))
     if args.mc:
         return multiple_choice(model, ckpt["step"], named_paths(args.mc), run["tokenizer"],
                                args.micro_batch or run["micro_batch"], dtype, device)

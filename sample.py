@@ -13,7 +13,7 @@ import torch
 from fsdp_gpt.checkpoint.ckpt_format import load_gpt
 from fsdp_gpt.config import exit_code
 from fsdp_gpt.data.tokenizer import get_tokenizer
-from fsdp_gpt.distributed.precision import autocast, compute_dtype, pick_device
+from fsdp_gpt.distributed.precision import Chip, autocast, compute_dtype, pick_device
 from fsdp_gpt.evaluation.generate import complete
 
 
@@ -29,7 +29,7 @@ def main(argv: list[str]) -> int:
     device = pick_device()
     model, ckpt = load_gpt(args.checkpoint, device)
     tokenizer = get_tokenizer(ckpt["config"]["tokenizer"])
-    with autocast(compute_dtype(ckpt["config"]["dtype"], device), device):  # as the run computed
+    with autocast(compute_dtype(ckpt["config"]["dtype"], Chip.of(device)), device):  # as the run computed
         text = complete(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_k or None,
                         args.seed, device)
     print(text)

@@ -108,10 +108,10 @@ def train(cfg) -> int:
         for note in notes if topo.is_main else []:
             print(f"note: {note}", flush=True)
     accum_steps = accumulation_steps(cfg, topo)
-    dtype = compute_dtype(cfg.dtype, topo.device)
+    dtype = compute_dtype(cfg.dtype, topo.chip)
     check_offload(dtype, cfg.cpu_offload)
     check_skip(cfg, dtype)
-    check_fp8(cfg, topo.device)
+    check_fp8(cfg, topo.chip)
     # each rank reads the data itself (node-local disks): a failure on one stops every rank
     sources = agree(lambda: prepare_sources(cfg.data_mix, cfg.data_path, cfg.data_source, cfg.tokenizer))
     watchdog = Watchdog(topo, cfg)  # data preparation, which may take hours, is not bounded

@@ -23,7 +23,7 @@ from torch import nn  # noqa: E402
 from fsdp_gpt.checkpoint.ckpt_format import load_gpt  # noqa: E402
 from fsdp_gpt.config import exit_code  # noqa: E402
 from fsdp_gpt.evaluation.mc_eval import accuracies, groups, load_sets, mc_sums, row, truncated  # noqa: E402
-from fsdp_gpt.distributed.precision import autocast, compute_dtype, pick_device  # noqa: E402
+from fsdp_gpt.distributed.precision import Chip, autocast, compute_dtype, pick_device  # noqa: E402
 
 
 def write_items(path: str, n: int, seed: int = 0) -> None:
@@ -56,7 +56,7 @@ def main(argv: list[str]) -> int:
     run, cfg = ckpt["config"], model.config
     items = load_sets({"items": args.out}, run["tokenizer"], cfg.vocab_size)["items"]
     per_forward = run["micro_batch"]
-    dtype = compute_dtype(run["dtype"], device)
+    dtype = compute_dtype(run["dtype"], Chip.of(device))
     start = time.perf_counter()
     with autocast(dtype, device):
         scores = accuracies(mc_sums(model, items, cfg.block_size, per_forward, 0, 1, device))

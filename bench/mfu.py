@@ -381,7 +381,7 @@ def main() -> int:
     chosen = ROWS if args.rows == "all" else [named[name] for name in args.rows.split(",")]  # in the order named
     import torch
     from fsdp_gpt.distributed.peak_flops import gpu_peak_flops
-    peak = gpu_peak_flops(torch.device("cuda"), torch.bfloat16) if torch.cuda.is_available() else None
+    peak = gpu_peak_flops(torch.cuda.get_device_name(), torch.bfloat16) if torch.cuda.is_available() else None
     torchao = carried_torchao() if any("--fp8" in " ".join(row.args) for row in chosen) else ""
     print(machine(), torchao, flush=True)
     os.makedirs(args.out, exist_ok=True)  # for the table, also where no row runs

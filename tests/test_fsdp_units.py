@@ -7,11 +7,12 @@ import torch
 from fsdp_gpt.config_parse import parse_args
 from fsdp_gpt.distributed import fsdp_units
 from fsdp_gpt.distributed.fsdp_units import UnitLayout, auto_layout, choose_layout
+from fsdp_gpt.distributed.precision import Chip
 from fsdp_gpt.model import GPT, GPTConfig
 from conftest import DEMO, ROOT, TINY, overrides
 from test_bad_input import train_in_process
 
-H100_BF16 = 989e12
+GPU = Chip("cuda", "NVIDIA H100 80GB HBM3", (9, 0), bf16=True)  # 989 TFLOP/s in bf16 (peak_flops' table)
 
 
 def meta_model(config: str, *overrides: str) -> tuple[GPT, int]:
@@ -38,36 +39,33 @@ def test_a_number_lays_out_that_many_blocks_a_unit_and_auto_balances():
     ("gpt2_124M.yaml", [], (2,) * 6),
     ("llama_1B.yaml", [], (1,) * 16),  # 6.9 ms a block: a unit each
 ])
-def test_auto_on_a_gpu(config, overrides, sizes, monkeypatch):
-    monkeypatch.setattr(fsdp_units, "device_peak_flops", lambda device, dtype: H100_BF16)
+def test_auto_on_a_gpu(config, overrides, sizes):
     model, tokens = meta_model(config, *overrides)
-    assert auto_layout(model, tokens, torch.device("cuda"), torch.bfloat16).sizes == sizes
+    assert auto_layout(model, tokens, GPU, torch.bfloat16).sizes == sizes
 
 
 @pytest.mark.parametrize("config, overrides, sizes", [
     ("gpt2_124M.yaml", [], (2,) * 6), ("llama_124M.yaml", [], (3,) * 4), ("train90M_fsdp.yaml", [], (3,) * 4),
     ("train300M_fsdp.yaml", [], (5,) * 4), ("llama_124M.yaml", ["--n_layer=7"], (2, 2, 2, 1))])
-def test_auto_on_gpus_that_communicate_keeps_units_enough_to_overlap(config, overrides, sizes, monkeypatch):
+def test_auto_on_gpus_that_communicate_keeps_units_enough_to_overlap(config, overrides, sizes):
     """Several ranks on GPUs: at least 4 units, whose gathers and reductions hide behind compute
     (alone, llama_124M would take 2 of 6 blocks, train90M the whole model, train300M 3 of 7, 7 and 6;
     7 of llama_124M's blocks one unit: 4 units then, not 7 of a block)."""
-    monkeypatch.setattr(fsdp_units, "device_peak_flops", lambda device, dtype: H100_BF16)
     model, tokens = meta_model(config, *overrides)
-    layout = auto_layout(model, tokens, torch.device("cuda"), torch.bfloat16, overlap=True)
+    layout = auto_layout(model, tokens, GPU, torch.bfloat16, overlap=True)
     assert layout.sizes == sizes
     assert ("whose collectives overlap compute" in layout.describe()) == (config != "gpt2_124M.yaml")
 
 
-def test_auto_gathers_a_gib_a_unit_at_most(monkeypatch):
+def test_auto_gathers_a_gib_a_unit_at_most():
     """Llama 2 7B's blocks (4,096 wide, 32 heads, MLP 11,008: 202M parameters, 404 MB a block in bf16)
     compute in 0.08 ms at 64 tokens a micro-step: by host cost alone the whole model would be one unit;
     2 blocks a unit (in fp32, 808 MB: a block a unit)."""
-    monkeypatch.setattr(fsdp_units, "device_peak_flops", lambda device, dtype: H100_BF16)
     model, tokens = meta_model("llama_1B.yaml", "--n_embd=4096", "--n_head=32", "--n_kv_head=32",
                                "--ffn_hidden=11008", "--block_size=64", "--micro_batch=1")
-    layout = auto_layout(model, tokens, torch.device("cuda"), torch.bfloat16)
+    layout = auto_layout(model, tokens, GPU, torch.bfloat16)
     assert layout.sizes == (2,) * 8 and "at most 2 blocks a unit (1 GiB gathered)" in layout.describe()
-    assert auto_layout(model, tokens, torch.device("cuda"), torch.float32).sizes == (1,) * 16
+    assert auto_layout(model, tokens, GPU, torch.float32).sizes == (1,) * 16
 
 
 def test_auto_under_cpu_offload_keeps_a_unit_a_block():
@@ -76,13 +74,12 @@ def test_auto_under_cpu_offload_keeps_a_unit_a_block():
     cfg = parse_args([DEMO, "--cpu_offload=true", "--n_layer=6", "--vocab_size=256"])
     with torch.device("meta"):
         model = GPT(GPTConfig.of(cfg))
-    assert choose_layout(cfg, model, torch.device("cpu"), torch.float32).sizes == (1,) * 6
+    assert choose_layout(cfg, model, Chip("cpu"), torch.float32).sizes == (1,) * 6
 
 
-def test_auto_on_an_unknown_gpu_keeps_a_unit_a_block(monkeypatch):
-    monkeypatch.setattr(fsdp_units, "device_peak_flops", lambda device, dtype: None)
+def test_auto_on_an_unknown_gpu_keeps_a_unit_a_block():
     model, tokens = meta_model("gpt2_124M.yaml")
-    layout = auto_layout(model, tokens, torch.device("cuda"), torch.bfloat16)
+    layout = auto_layout(model, tokens, Chip("cuda", "NVIDIA Future GPU", (12, 0), bf16=True), torch.bfloat16)
     assert layout.sizes == (1,) * 12 and "unknown" in layout.describe()
 
 
@@ -93,8 +90,8 @@ def test_auto_on_this_cpu(monkeypatch):
     one_thread = fsdp_units.vector_peak_flops(1)
     if one_thread is None:
         pytest.skip("/proc/cpuinfo tells no vector width or clock here: auto times a matmul instead")
-    monkeypatch.setattr(fsdp_units, "device_peak_flops", lambda device, dtype: one_thread[0])
-    cpu = torch.device("cpu")
+    monkeypatch.setattr(fsdp_units, "device_peak_flops", lambda chip, dtype: one_thread[0])
+    cpu = Chip("cpu")
     for keys in (["--n_layer=2", "--n_head=2", "--n_embd=64", "--block_size=32", "--micro_batch=2"],
                  ["--n_layer=12", "--n_head=2", "--n_embd=32", "--block_size=32", "--micro_batch=1"]):
         model, tokens = meta_model("demo_cpu.yaml", *keys)

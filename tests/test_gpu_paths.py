@@ -72,10 +72,13 @@ def test_collectives_on_host_tensors_get_gloo_beside_nccl():
 def test_auto_dtype_skips_emulated_bf16(monkeypatch):
     # a V100: bf16 only through emulation
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
-    assert precision.compute_dtype("auto", torch.device("cuda", 0)) == torch.float16
+    assert not precision.native_bf16(torch.device("cuda", 0))
+    assert precision.compute_dtype("auto", precision.Chip("cuda", "Tesla V100-SXM2-16GB", (7, 0))) == torch.float16
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)  # an A100
-    assert precision.compute_dtype("auto", torch.device("cuda", 0)) == torch.bfloat16
-    assert precision.compute_dtype("auto", torch.device("cpu")) == torch.float32
+    assert precision.native_bf16(torch.device("cuda", 0))
+    a100 = precision.Chip("cuda", "NVIDIA A100-SXM4-80GB", (8, 0), bf16=True)
+    assert precision.compute_dtype("auto", a100) == torch.bfloat16
+    assert precision.compute_dtype("auto", precision.Chip.of(torch.device("cpu"))) == torch.float32
 
 
 @pytest.mark.parametrize("fsdp, world, offload, wrap, expected", [
@@ -183,12 +186,10 @@ def test_grouped_query_attention_avoids_the_math_kernel(monkeypatch):
     ("NVIDIA L40", 181e12, 90.5e12), ("NVIDIA L4", 121e12, 60e12), ("NVIDIA H100 PCIe", 756e12, 378e12),
     ("NVIDIA H100 80GB HBM3", 989e12, 494e12), ("NVIDIA H200", 989e12, 494e12), ("NVIDIA GH200 480GB", 989e12, 494e12),
     ("NVIDIA B200", 2250e12, 1100e12), ("Tesla V100-SXM2-16GB", 125e12, 15.7e12), ("NVIDIA Future GPU", None, None)])
-def test_mfu_peak_by_exact_gpu_name_and_compute_dtype(name, bf16, fp32, monkeypatch):
+def test_mfu_peak_by_exact_gpu_name_and_compute_dtype(name, bf16, fp32):
     """dtype: fp32 is measured against the TF32 peak (plain FP32 on V100 and T4), not bf16's."""
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
-    cuda = torch.device("cuda", 0)
-    assert peak_flops.gpu_peak_flops(cuda, torch.bfloat16) == peak_flops.gpu_peak_flops(cuda, torch.float16) == bf16
-    assert peak_flops.gpu_peak_flops(cuda, torch.float32) == fp32
+    assert peak_flops.gpu_peak_flops(name, torch.bfloat16) == peak_flops.gpu_peak_flops(name, torch.float16) == bf16
+    assert peak_flops.gpu_peak_flops(name, torch.float32) == fp32
 
 
 @pytest.mark.parametrize("version, variable", [("2.8.0", "TORCH_NCCL_TRACE_BUFFER_SIZE"),

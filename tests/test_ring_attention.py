@@ -16,6 +16,7 @@ from test_doc_mask import short_corpus  # noqa: F401 - the fixture
 from fsdp_gpt.config import CP_MODES, UserError
 from fsdp_gpt.config_parse import parse_args
 from fsdp_gpt.distributed.context_parallel import row_pieces
+from fsdp_gpt.distributed.precision import Chip
 from fsdp_gpt.distributed.ring_attention import ring_refusal
 
 
@@ -127,12 +128,12 @@ def test_bad_context_parallel_settings_are_refused(overrides, message):
         parse_args([DEMO] + overrides)  # the demo: 4 heads, block_size 128
 
 
-def test_ring_refuses_where_its_kernels_cannot_run(monkeypatch):
+def test_ring_refuses_where_its_kernels_cannot_run():
     """The flash kernels' log-sum-exp: CPU in fp32 and bf16, CUDA in bf16 and fp16 from sm80."""
-    assert ring_refusal(torch.device("cpu"), torch.float32) is None
-    assert ring_refusal(torch.device("cpu"), torch.bfloat16) is None
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    assert ring_refusal(torch.device("cuda", 0), torch.bfloat16) is None
-    assert "on CUDA in bf16 or fp16" in ring_refusal(torch.device("cuda", 0), torch.float32)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))  # a V100
-    assert "here cuda in torch.float16 is not built" in ring_refusal(torch.device("cuda", 0), torch.float16)
+    assert ring_refusal(Chip("cpu"), torch.float32) is None
+    assert ring_refusal(Chip("cpu"), torch.bfloat16) is None
+    a100 = Chip("cuda", "NVIDIA A100-SXM4-80GB", (8, 0), bf16=True)
+    assert ring_refusal(a100, torch.bfloat16) is None
+    assert "on CUDA in bf16 or fp16" in ring_refusal(a100, torch.float32)
+    v100 = Chip("cuda", "Tesla V100-SXM2-16GB", (7, 0))
+    assert "here cuda in torch.float16 is not built" in ring_refusal(v100, torch.float16)

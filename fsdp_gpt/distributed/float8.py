@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_gpt.compat import float8_training
 from fsdp_gpt.config import UserError
+from fsdp_gpt.distributed.precision import Chip
 
 EXTRA = "pip install -e \".[fp8]\" (torchao 0.18)"
 
@@ -60,20 +61,13 @@ def torchao_float8():
     return torchao.float8
 
 
-def device_name(device: torch.device) -> str:
-    if device.type != "cuda":
-        return f"the {device.type.upper()}"
-    major, minor = torch.cuda.get_device_capability(device)
-    return f"{torch.cuda.get_device_name(device)} (sm{major}{minor})"
-
-
-def fp8_matmuls(device: torch.device) -> bool:
+def fp8_matmuls(chip: Chip) -> bool:
     """Whether the device multiplies FP8 matrices (torch._scaled_mm on tensor cores): CUDA from sm89
     (Ada: L4, L40S; Hopper: H100, H200; Blackwell)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    return chip.type == "cuda" and chip.capability >= (8, 9)
 
 
-def check_fp8(cfg, device: torch.device) -> None:
+def check_fp8(cfg, chip: Chip) -> None:
     """fp8's refusals that need the launch (the keys' values are config.py's): torch, torchao, the device."""
     if cfg.fp8 is None:
         return
@@ -84,8 +78,8 @@ def check_fp8(cfg, device: torch.device) -> None:
         torchao_float8()
     except ImportError:
         raise UserError(f"fp8: {cfg.fp8} needs torchao, which is not installed: {EXTRA}") from None
-    if not cfg.fp8_emulate and not fp8_matmuls(device):
-        raise UserError(f"fp8: {cfg.fp8} needs FP8 matmuls, which {device_name(device)} lacks (a GPU of sm89 or "
+    if not cfg.fp8_emulate and not fp8_matmuls(chip):
+        raise UserError(f"fp8: {cfg.fp8} needs FP8 matmuls, which {chip.describe()} lacks (a GPU of sm89 or "
                         f"newer: L4, L40S, H100, H200, B200): set fp8_emulate: true to run its casts with fp32 "
                         f"matmuls (slow), or fp8: null")
 

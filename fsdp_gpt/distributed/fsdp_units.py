@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_gpt.distributed.launch import decided_on_rank0
+from fsdp_gpt.distributed.precision import Chip
 from fsdp_gpt.distributed.peak_flops import gpu_peak_flops, timed_matmul_flops, vector_peak_flops
 from fsdp_gpt.model import GPT
 
@@ -82,11 +83,11 @@ class UnitLayout:
         return f"FSDP units: {len(self.sizes)} of {sizes}, and the root (embeddings, final norm, head) ({self.why})"
 
 
-def device_peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
+def device_peak_flops(chip: Chip, dtype: torch.dtype) -> float | None:
     """The device's peak FLOP/s in dtype: a GPU's data sheet (None for a GPU the table lacks), a CPU's
     vector units at the threads this process has (or a timed matmul where /proc/cpuinfo tells nothing)."""
-    if device.type == "cuda":
-        return gpu_peak_flops(device, dtype)
+    if chip.type == "cuda":
+        return gpu_peak_flops(chip.name, dtype)
     threads = torch.get_num_threads()
     bound = vector_peak_flops(threads)
     return bound[0] if bound else timed_matmul_flops()
@@ -98,7 +99,7 @@ def block_flops_per_micro_step(gpt: GPT, micro_tokens: int) -> float:
     return (gpt.flops_per_token() - head) / gpt.config.n_layer * micro_tokens
 
 
-def choose_layout(cfg, gpt: GPT, device: torch.device, dtype: torch.dtype) -> UnitLayout:
+def choose_layout(cfg, gpt: GPT, chip: Chip, dtype: torch.dtype) -> UnitLayout:
     """The run's layout, decided on rank 0 and sent to every rank (a timed CPU peak may differ
     between ranks, and ranks whose units differ would wait in different collectives)."""
     n = gpt.config.n_layer
@@ -106,15 +107,14 @@ def choose_layout(cfg, gpt: GPT, device: torch.device, dtype: torch.dtype) -> Un
         return UnitLayout.of(min(cfg.fsdp_blocks_per_unit, n), n, "fsdp_blocks_per_unit")
     if cfg.cpu_offload:
         return UnitLayout.of(1, n, "auto: a unit a block under cpu_offload, which is chosen for memory")
-    return decided_on_rank0(lambda: auto_layout(gpt, cfg.micro_batch * cfg.block_size // cfg.cp_size, device, dtype,
-                                                overlap=device.type == "cuda" and dist.get_world_size() > 1))
+    return decided_on_rank0(lambda: auto_layout(gpt, cfg.micro_batch * cfg.block_size // cfg.cp_size, chip, dtype,
+                                                overlap=chip.type == "cuda" and dist.get_world_size() > 1))
 
 
-def auto_layout(gpt: GPT, micro_tokens: int, device: torch.device, dtype: torch.dtype,
-                overlap: bool = False) -> UnitLayout:
+def auto_layout(gpt: GPT, micro_tokens: int, chip: Chip, dtype: torch.dtype, overlap: bool = False) -> UnitLayout:
     """overlap: ranks communicate on GPUs, where OVERLAP_UNITS units hide most of it behind compute."""
     n = gpt.config.n_layer
-    peak = device_peak_flops(device, dtype)
+    peak = device_peak_flops(chip, dtype)
     if peak is None:
         return UnitLayout.of(1, n, "auto: a unit a block, this GPU's peak FLOP/s is unknown")
     block_seconds = block_flops_per_micro_step(gpt, micro_tokens) / peak

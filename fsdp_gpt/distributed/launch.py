@@ -28,7 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from fsdp_gpt.compat import unflatten
 from fsdp_gpt.config import UserError, exit_code
 from fsdp_gpt.distributed.context_parallel import context_groups
-from fsdp_gpt.distributed.precision import pick_device
+from fsdp_gpt.distributed.precision import Chip, pick_device
 from fsdp_gpt.resilience.watchdog import FIRED, nccl_failure_settings, process_group_timeout
 
 # strategy -> (mesh layout, reshard parameters after forward)
@@ -58,6 +58,12 @@ class Topology:
     # ep_size > 1: the mesh the others are cut from, with dimensions "efsdp" and "ep" (and "replicate"
     # under HYBRID_SHARD): the experts' own group and FSDP's sharding of them (expert_parallel.py)
     expert_mesh: DeviceMesh | None = None
+    planned: Chip | None = None  # a dry run's: the GPU it plans for; None: the device's own (chip)
+
+    @property
+    def chip(self) -> Chip:
+        """What start-up decides by about the device (precision.Chip)."""
+        return self.planned or Chip.of(self.device)
 
     @property
     def ep_size(self) -> int:

@@ -39,7 +39,7 @@ def build_model(cfg, gpt_cfg: GPTConfig, topo: Topology) -> torch.nn.Module:
         n_params, idle = model.num_params(), model.idle_expert_params()
         active = f", {n_params - idle:,} active per token ({(n_params - idle) / 1e6:.1f}M)" if idle else ""
         print(f"parameters: {n_params:,} ({n_params / 1e6:.1f}M){active}", flush=True)
-    if cfg.cp_mode == "ring" and (refusal := ring_refusal(topo.device, compute_dtype(cfg.dtype, topo.device))):
+    if cfg.cp_mode == "ring" and (refusal := ring_refusal(topo.chip, compute_dtype(cfg.dtype, topo.chip))):
         raise UserError(refusal)
     if swaps_attention(cfg.cp_mode, topo.cp_size):
         apply_context_parallel(model, cfg.cp_mode, topo.cp_group, topo.cp_size, topo.cp_rank, cfg.block_size,
@@ -61,7 +61,7 @@ def build_model(cfg, gpt_cfg: GPTConfig, topo: Topology) -> torch.nn.Module:
               f"(force_fsdp: true wraps it)", flush=True)
     if topo.wrap == "fsdp":
         _, reshard = STRATEGY_TABLE[cfg.sharding_strategy]
-        dtype = compute_dtype(cfg.dtype, topo.device)
+        dtype = compute_dtype(cfg.dtype, topo.chip)
         # cast_forward_inputs off: a block's input x is in the compute dtype already (computed with
         # cast parameters), and the fp32 RoPE tables the root hands each block must stay fp32
         shard_args = dict(mesh=topo.mesh, mp_policy=MixedPrecisionPolicy(
@@ -70,7 +70,7 @@ def build_model(cfg, gpt_cfg: GPTConfig, topo: Topology) -> torch.nn.Module:
         if cfg.cpu_offload:
             shard_args["offload_policy"] = CPUOffloadPolicy(pin_memory=topo.device.type == "cuda")
             param_device = torch.device("cpu")
-        layout = choose_layout(cfg, model, topo.device, dtype)
+        layout = choose_layout(cfg, model, topo.chip, dtype)
         if topo.is_main:
             print(layout.describe(), flush=True)
         units = layout.units(model.blocks)
@@ -155,6 +155,6 @@ def micro_steps(cfg, model: torch.nn.Module):
 
 def forward_context(cfg, topo: Topology):
     """The context of every forward: training, val loss and text samples compute in one dtype."""
-    dtype = compute_dtype(cfg.dtype, topo.device)
+    dtype = compute_dtype(cfg.dtype, topo.chip)
     fsdp_casts_all = topo.wrap == "fsdp" and not replicates(cfg, dtype)
     return lambda: autocast(dtype, topo.device, fsdp_casts_all)

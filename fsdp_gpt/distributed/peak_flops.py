@@ -39,10 +39,10 @@ FMA_UNITS = 2  # FMA pipes per core on x86 server cores since Haswell and Zen 2:
 MATMUL_SIZE, MATMUL_SECONDS = 256, 0.05
 
 
-def gpu_peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
-    """Peak FLOP/s of one GPU computing in `dtype`, from the table (None for a GPU it lacks: its MFU
-    is unknown, not a guess)."""
-    peaks = GPU_PEAK_FLOPS.get(torch.cuda.get_device_name(device))
+def gpu_peak_flops(name: str, dtype: torch.dtype) -> float | None:
+    """Peak FLOP/s of one GPU, by the name torch.cuda.get_device_name reports, computing in `dtype`,
+    from the table (None for a GPU it lacks: its MFU is unknown, not a guess)."""
+    peaks = GPU_PEAK_FLOPS.get(name)
     return peaks and peaks[dtype == torch.float32]
 
 

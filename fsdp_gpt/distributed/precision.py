@@ -3,6 +3,8 @@
 Every forward (training, val loss, text samples, evaluate.py, sample.py) runs under the same
 `autocast`, so a run's logged val loss is what evaluate.py reports for its checkpoint.
 """
+from dataclasses import dataclass
+
 import torch
 
 from fsdp_gpt.config import UserError
@@ -26,19 +28,42 @@ def pick_device(local_rank: int = 0) -> torch.device:
     return device
 
 
-def compute_dtype(dtype: str, device: torch.device) -> torch.dtype:
+def native_bf16(device: torch.device) -> bool:
+    """Whether bf16 matmuls run on the device's tensor cores (Ampere and newer), not emulated."""
+    return device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
+
+
+@dataclass(frozen=True)
+class Chip:
+    """What start-up decides by about the device a rank computes on (the compute dtype, FP8, the ring's
+    kernels, the FSDP units' layout by its peak FLOP/s): its type and, for a GPU, its name as
+    torch.cuda.get_device_name reports it (peak_flops' key), its compute capability and whether bf16 is
+    native there. Read from the device (Chip.of), or for a dry run the GPU it plans for (observe/plan.py)."""
+    type: str  # "cuda" or "cpu"
+    name: str = ""
+    capability: tuple[int, int] = (0, 0)
+    bf16: bool = False
+
+    @classmethod
+    def of(cls, device: torch.device) -> "Chip":
+        if device.type != "cuda":
+            return cls(device.type)
+        return cls("cuda", torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device),
+                   native_bf16(device))
+
+    def describe(self) -> str:
+        return f"{self.name} (sm{self.capability[0]}{self.capability[1]})" if self.type == "cuda" else \
+            f"the {self.type.upper()}"
+
+
+def compute_dtype(dtype: str, chip: Chip) -> torch.dtype:
     """The config's `dtype` resolved for a device: auto is bf16 on GPUs that have it, fp16 (with
     gradient scaling) on older ones, where emulated bf16 is slow (V100, T4), fp32 on CPU."""
     if dtype != "auto":
         return DTYPES[dtype]
-    if device.type == "cuda":
-        return torch.bfloat16 if native_bf16(device) else torch.float16
+    if chip.type == "cuda":
+        return torch.bfloat16 if chip.bf16 else torch.float16
     return torch.float32
-
-
-def native_bf16(device: torch.device) -> bool:
-    """Whether bf16 matmuls run on the device's tensor cores (Ampere and newer), not emulated."""
-    return device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
 
 
 def check_offload(dtype: torch.dtype, cpu_offload: bool) -> None:

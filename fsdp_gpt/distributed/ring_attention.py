@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from fsdp_gpt.attention import (DocumentBuckets, Documents, by_position, causal_attention, varlen_backward,
                                  varlen_forward, varlen_runs)
+from fsdp_gpt.distributed.precision import Chip
 from fsdp_gpt.distributed.window_ring import WindowPlan, WindowRing, fold_heads, merge, repeat_heads
 
 aten = torch.ops.aten
@@ -67,14 +68,14 @@ def _cuda_backward(dout, q, k, v, out, lse, aux, causal: bool, scale: float | No
 KERNELS = {"cpu": (_cpu_forward, _cpu_backward), "cuda": (_cuda_forward, _cuda_backward)}
 
 
-def ring_refusal(device: torch.device, dtype: torch.dtype) -> str | None:
-    """Why the ring's kernels can't run here, or None."""
-    if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
+def ring_refusal(chip: Chip, dtype: torch.dtype) -> str | None:
+    """Why the ring's kernels can't run on this device, or None."""
+    if chip.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
         return None
-    if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and torch.cuda.get_device_capability(device) >= (8, 0):
+    if chip.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and chip.capability >= (8, 0):
         return None
     return (f"cp_mode: ring runs the flash kernel, which returns the log-sum-exp the ring merges: on CUDA in bf16 "
-            f"or fp16 from sm80 (A100) on, on CPU in fp32 or bf16; here {device.type} in {dtype} is not built "
+            f"or fp16 from sm80 (A100) on, on CPU in fp32 or bf16; here {chip.type} in {dtype} is not built "
             f"(use cp_mode: ulysses)")
 
 

@@ -185,7 +185,7 @@ class ProgressLog:
             self.figures = FiguresFile(cfg.tensorboard_dir, resumed_at)
             self.wandb = wandb_id and WandbRun(cfg, wandb_id)
             if device.type == "cuda":
-                peak = gpu_peak_flops(device, dtype)
+                peak = gpu_peak_flops(torch.cuda.get_device_name(device), dtype)
                 if peak is None:
                     print(f"note: MFU unknown for GPU '{torch.cuda.get_device_name(device)}': add its dense peak "
                           f"FLOP/s to peak_flops.GPU_PEAK_FLOPS", flush=True)
