@@ -6,13 +6,14 @@ activation checkpointing -> compile -> fully_shard per unit of blocks, then the 
 weights initialised on rank 0 and broadcast into the shards -> optimizer -> resume -> loop.
 Each concern lives in the package (docs/architecture.md has the map); this file is the order.
 """
+import dataclasses
 import math
 import sys
 
 import torch
 import torch.distributed as dist
 
-from fsdp_gpt.checkpoint.fsdp_ckpt import CheckpointManager
+from fsdp_gpt.checkpoint.fsdp_ckpt import CheckpointManager, saved_files
 from fsdp_gpt.checkpoint.run_state import RunState
 from fsdp_gpt.config import UserError, to_yaml
 from fsdp_gpt.config_parse import parse_args
@@ -31,11 +32,13 @@ from fsdp_gpt.evaluation.in_training import evaluate, load_mc_sets
 from fsdp_gpt.hf_format import define_model
 from fsdp_gpt.model import GPTConfig
 from fsdp_gpt.observe.metrics import ProgressLog, per_rank_stats
+from fsdp_gpt.observe.plan import DryRun
 from fsdp_gpt.observe.profiling import Profiling
 from fsdp_gpt.observe.spikes import check_skip
 from fsdp_gpt.observe.step_times import StepTimes
 from fsdp_gpt.optim.build import build_optimizer
 from fsdp_gpt.optim.clip import clip_gradients
+from fsdp_gpt.optim.expert_balance import ExpertBalance
 from fsdp_gpt.optim.schedule import lr_at
 from fsdp_gpt.resilience.guard import NonFiniteGuard
 from fsdp_gpt.resilience.stop import StopRequest
@@ -55,8 +58,13 @@ def accumulation_steps(cfg, topo: Topology) -> int:
 
 def describe_run(cfg, topo: Topology, accum_steps: int, dtype: torch.dtype) -> None:
     """The resolved config and the run's layout, printed once by rank 0."""
-    world = topo.world_size
     print(to_yaml(cfg), end="")
+    describe_layout(cfg, topo, accum_steps, dtype)
+
+
+def describe_layout(cfg, topo: Topology, accum_steps: int, dtype: torch.dtype) -> None:
+    """The run's layout: ranks, strategy and mesh, context and expert parallelism, accumulation, dtype."""
+    world = topo.world_size
     if cfg.world_size not in (None, world):
         print(f"note: config written for world_size={cfg.world_size}, launched with {world} ranks; "
               f"train_batch={cfg.train_batch} stays global, so accumulation is now {accum_steps} micro-steps")
@@ -100,9 +108,9 @@ def forward_backward(model, loader: BatchLoader, step: int, accum_steps: int, ti
     return loss_sum / (accum_steps * world)
 
 
-def train(cfg) -> int:
-    stop = StopRequest()  # first: a preemption or Ctrl-C during start-up still ends with a checkpoint
-    topo = init_distributed(cfg)
+def launch_checks(cfg, topo: Topology) -> tuple[int, torch.dtype]:
+    """Start-up's checks once the process group exists (a dry run's too): a folder's model, the batch's split,
+    the compute dtype and what it allows. Returns the micro-steps a step and the dtype."""
     if cfg.init_from:  # the folder defines the model (and the tokenizer, unless one is named)
         notes = agree(lambda: define_model(cfg))
         for note in notes if topo.is_main else []:
@@ -112,6 +120,15 @@ def train(cfg) -> int:
     check_offload(dtype, cfg.cpu_offload)
     check_skip(cfg, dtype)
     check_fp8(cfg, topo.chip)
+    return accum_steps, dtype
+
+
+def train(cfg) -> int:
+    if cfg.dry_run:  # a plan of the run at that size, nothing trained
+        return dry_run(cfg)
+    stop = StopRequest()  # first: a preemption or Ctrl-C during start-up still ends with a checkpoint
+    topo = init_distributed(cfg)
+    accum_steps, dtype = launch_checks(cfg, topo)
     # each rank reads the data itself (node-local disks): a failure on one stops every rank
     sources = agree(lambda: prepare_sources(cfg.data_mix, cfg.data_path, cfg.data_source, cfg.tokenizer))
     watchdog = Watchdog(topo, cfg)  # data preparation, which may take hours, is not bounded
@@ -208,6 +225,38 @@ def train_watched(cfg, topo: Topology, stop: StopRequest, watchdog: Watchdog, so
     if topo.is_main:
         print(f"done: last checkpoint {ckpt.last_saved}, TensorBoard logs in {cfg.tensorboard_dir}/", flush=True)
     return code
+
+
+def dry_run(cfg) -> int:
+    """--dry_run=NODESxGPUS: this file's start-up and a step as rank 0 of that world runs them, in this one
+    process, on a fake process group and fake tensors (observe/plan.py); the plan printed and written."""
+    topo = init_distributed(cfg)
+    accum_steps, dtype = launch_checks(cfg, topo)
+    plan = DryRun(cfg, topo, accum_steps)
+    describe_layout(cfg, topo, accum_steps, dtype)
+    with plan.start_up():  # its lines kept for the plan
+        model = build_model(dataclasses.replace(cfg, compile=False), GPTConfig.of(cfg), topo, fake=plan.fake)
+    gpt = getattr(model, "module", model)
+    with plan.fake:
+        optimizer = build_optimizer(cfg, gpt, topo.device)
+        fp8_scales, balance = Float8Scales(gpt), ExpertBalance(gpt, cfg.moe_bias_rate, topo.device)
+    compute, reduce_whole_grads = forward_context(cfg, topo), gradient_reduction(model, topo)
+    no_scaling, times = torch.amp.GradScaler(topo.device.type, enabled=False), StepTimes(topo.device)
+
+    def step(micro_steps: int, set_micro_step, after_backward) -> None:
+        """The loop's step, less what reads values fake tensors lack (spikes, the guard, fp16's scaler's check)."""
+        times.begin()
+        forward_backward(model, plan.batches, 1, micro_steps, times, compute, no_scaling, set_micro_step)
+        reduce_whole_grads()
+        clip_gradients(model, cfg.grad_clip or math.inf)
+        after_backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        fp8_scales.step()
+        balance.step()
+    plan.measure(model, optimizer, step, micro_steps(cfg, model))
+    plan.report(model, optimizer, saved_files(cfg, model, optimizer, topo.rank))
+    return 0
 
 
 if __name__ == "__main__":

@@ -52,6 +52,7 @@ FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")  # torchao's Float
 FP8_LAYERS = ("auto", "all")
 # the strategies expert parallelism builds on: the experts sharded over what the expert groups leave
 EP_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
+PLANNED_GPUS = ("H100", "H200", "A100")  # what a dry run plans for: distributed/gpus.py
 
 
 @dataclass
@@ -177,6 +178,17 @@ class TrainConfig(ModelKeys):
                                      "(docs/reliability.md)")
     collective_timeout: float = key(300.0, "seconds any other training step, its collectives included, may take "
                                            "before the run stops as hung, naming the ranks that did not arrive")
+    dry_run: str | None = key(None, "NODESxGPUS (e.g. 32x8): no training, a plan of the run at that many ranks (start-up "
+                                    "and one step as rank 0 runs them, on a fake process group and fake tensors, in "
+                                    "this one CPU process: docs/scale_plan.md); null: train")
+    dry_run_out: str | None = key(None, "where the dry run writes its plan as JSON; null: {checkpoint_dir}/plan.json")
+    dry_run_gpu: str = key("H100", "the GPU the dry run plans for (the compute dtype auto takes, FP8, the units' auto "
+                                   "layout, its memory, peak FLOP/s and links): H100, H200 or A100")
+
+    def dry_run_world(self) -> tuple[int, int]:
+        """dry_run as (nodes, GPUs a node)."""
+        nodes, gpus = self.dry_run.lower().split("x")
+        return int(nodes), int(gpus)
 
     def due(self, step: int, interval: int) -> bool:
         """Whether an every-`interval`-steps event (a log line, an eval, a save) falls on `step`: the

@@ -4,9 +4,10 @@ validate_run when the config is read, validate_model once the folder has set the
 (hf_format.define_model). The checks that need the launch (world size, devices) live with it.
 """
 import dataclasses
+import re
 
 from fsdp_gpt.config import (COMPILE_MODES, CP_MODES, DECAY_SHAPES, DTYPES, EP_STRATEGIES, FP8_LAYERS, FP8_RECIPES,
-                             LR_SCHEDULES, MOE_SCORES, MUON_COEFFICIENTS, OPTIMIZERS, STRATEGIES, TrainConfig,
+                             LR_SCHEDULES, MOE_SCORES, MUON_COEFFICIENTS, OPTIMIZERS, PLANNED_GPUS, STRATEGIES, TrainConfig,
                              UserError, named_paths)
 from fsdp_gpt.families import ARCHS, FAMILIES
 from fsdp_gpt.family_parts import LINEAR_KEYS, ROPE_SCALINGS
@@ -147,6 +148,9 @@ def validate_run(cfg: TrainConfig) -> None:
         require(window is None or (len(window) == 2 and all(type(s) is int for s in window) and 1 <= window[0] <= window[1]),
                 f"{name} must be [first, last] steps, 1 <= first <= last, got {window!r}")
     require(cfg.max_skipped_steps >= 1, f"max_skipped_steps must be 1 or more, got {cfg.max_skipped_steps}")
+    require(cfg.dry_run is None or (re.fullmatch(r"[1-9]\d*[xX][1-9]\d*", cfg.dry_run) is not None),
+            f"dry_run must be NODESxGPUS, each 1 or more (32x8: 32 nodes of 8 GPUs), got {cfg.dry_run!r}")
+    require(cfg.dry_run_gpu in PLANNED_GPUS, f"dry_run_gpu '{cfg.dry_run_gpu}' is not one of {', '.join(PLANNED_GPUS)}")
     validate_mixture(cfg)
 
 

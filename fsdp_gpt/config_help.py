@@ -11,7 +11,7 @@ from fsdp_gpt.families import FAMILY_KEYS
 # each group's first key, in the dataclass's order: --help and docs/config.md list the keys so
 GROUPS = {"arch": "model", "data_path": "data", "train_batch": "batch", "optimizer": "optimizer and schedule",
           "fsdp": "distribution and precision", "checkpoint_dir": "checkpoints", "log_interval": "logging",
-          "init_timeout": "failures"}
+          "init_timeout": "failures", "dry_run": "dry run"}
 
 
 def grouped_keys() -> dict[str, list[dataclasses.Field]]:

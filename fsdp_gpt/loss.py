@@ -27,9 +27,11 @@ def chunk_count(rows: int, vocab: int, device_type: str) -> int:
     return next((chunks for chunks in range(least, 2 * least + 1) if rows % chunks == 0), least)
 
 
-def row_chunks(h: torch.Tensor, targets: torch.Tensor, vocab: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """h (..., C) and targets (...) as rows, cut into chunk_count's chunks: (h's, targets')."""
-    chunks = chunk_count(targets.numel(), vocab, h.device.type)
+def row_chunks(h: torch.Tensor, targets: torch.Tensor, vocab: int,
+               device_type: str | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """h (..., C) and targets (...) as rows, cut into chunk_count's chunks for device_type's budget (None:
+    h's device): (h's, targets')."""
+    chunks = chunk_count(targets.numel(), vocab, device_type or h.device.type)
     return h.flatten(0, -2).chunk(chunks), targets.flatten().chunk(chunks)
 
 
@@ -61,12 +63,12 @@ class ChunkedHeadLoss(torch.autograd.Function):
     """The mean cross-entropy of h @ weight.T against targets, chunk by chunk (module docstring)."""
 
     @staticmethod
-    def forward(ctx, h, weight, targets, softcap, chunk_fn):
+    def forward(ctx, h, weight, targets, softcap, chunk_fn, chunks_for):
         # in the compute dtype: autocast's (cast once here, not once a chunk), else the parameters'
         device = h.device.type
         autocast = device != "meta" and torch.is_autocast_enabled(device)  # (meta: the FLOP counter's)
         dtype = torch.get_autocast_dtype(device) if autocast else weight.dtype
-        h_chunks, target_chunks = row_chunks(h.to(dtype), targets, weight.shape[0])
+        h_chunks, target_chunks = row_chunks(h.to(dtype), targets, weight.shape[0], chunks_for)
         cast_weight, rows = weight.to(dtype), targets.numel()
         grads = any(ctx.needs_input_grad[:2])
         loss = torch.zeros((), device=h.device, dtype=torch.float32)
@@ -91,14 +93,15 @@ class ChunkedHeadLoss(torch.autograd.Function):
         h_dtype, weight_dtype = ctx.dtypes
         scale = grad_loss / ctx.rows  # the forward's gradients are of the summed loss: no fp16 underflow in them
         return (grad_h.float().mul_(scale).to(h_dtype), (grad_weight * scale).to(weight_dtype),
-                None, None, None)
+                None, None, None, None)
 
 
 def chunked_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, softcap: float | None = None,
-                          chunk_fn=head_loss_chunk) -> torch.Tensor:
+                          chunk_fn=head_loss_chunk, chunks_for: str | None = None) -> torch.Tensor:
     """F.cross_entropy(softcap(h @ weight.T).float(), targets), mean over every position, without
-    the logits tensor: h (..., C), targets (...)."""
-    return ChunkedHeadLoss.apply(h, weight, targets, softcap, chunk_fn)
+    the logits tensor: h (..., C), targets (...); chunks_for: the device type whose budget sizes the chunks
+    (None: h's)."""
+    return ChunkedHeadLoss.apply(h, weight, targets, softcap, chunk_fn, chunks_for)
 
 
 def per_position_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,

@@ -242,6 +242,9 @@ class GPT(nn.Module):
         self.documents = Documents.of_rows
         # the LM head and cross-entropy over one chunk of rows (replaceable: compile swaps in a fused one)
         self.head_loss_chunk = head_loss_chunk
+        # the device type whose budget sizes the loss's chunks (loss.CHUNK_ELEMENTS): the tensors' unless set
+        # from outside (a dry run computes a GPU's step on the CPU)
+        self.chunks_for = None
         if self.wte.weight.device.type != "meta":
             self.init_weights()
 
@@ -314,7 +317,8 @@ class GPT(nn.Module):
         # the head and cross-entropy chunk by chunk: no (B, T, vocab) logits (loss.py)
         if reduction == "none":  # evaluation: eager (a compiled chunk would compile again without gradients)
             return None, per_position_cross_entropy(h, self.lm_head.weight, targets, self.config.logit_softcap)
-        loss = chunked_cross_entropy(h, self.lm_head.weight, targets, self.config.logit_softcap, self.head_loss_chunk)
+        loss = chunked_cross_entropy(h, self.lm_head.weight, targets, self.config.logit_softcap, self.head_loss_chunk,
+                                     self.chunks_for)
         if self.config.moe_aux_loss and self.training:
             balancing = self.config.moe_aux_loss * torch.stack([m.aux_loss for m in self.moe_layers()]).mean()
             # the value stays the language-modelling loss (what is logged and compared with dense

@@ -13,7 +13,7 @@ import threading
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from fsdp_gpt.checkpoint.ckpt_format import (
     FULL_OPTIONS, SHARD_RE, CorruptCheckpoint, complete_checkpoints, full_path, host_copy, incomplete,
@@ -47,6 +47,17 @@ def sharded_state(model, optimizer, rank: int) -> dict:
             "aliases": _aliases(model),
             "param_groups": [{k: v for k, v in g.items() if k != "params"} | {
                 "params": [names[p] for p in g["params"]]} for g in optimizer.param_groups]}
+
+
+def saved_files(cfg, model, optimizer, rank: int) -> dict:
+    """What a save of this run writes (a dry run's plan): the files `rank` writes and their tensors' bytes (sharded:
+    its slices, sharded_state's; full: rank 0's one file), and the bytes of every tensor whole, the set's in all."""
+    tensors = [*parameter_names(model)] + [v for s in optimizer.state.values() for v in s.values() if v.dim()]
+    whole = sum(t.numel() * t.element_size() for t in tensors)  # a DTensor's numel is the whole tensor's
+    if cfg.checkpoint_type == "sharded":
+        mine = [t for t in tree_leaves(sharded_state(model, optimizer, rank)) if isinstance(t, torch.Tensor)]
+        return {"files": 1, "bytes": sum(t.numel() * t.element_size() for t in mine), "whole_bytes": whole}
+    return {"files": int(rank == 0), "bytes": whole if rank == 0 else 0, "whole_bytes": whole}
 
 
 def _write(writes: list, pending: dict) -> None:

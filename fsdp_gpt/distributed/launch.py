@@ -28,6 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from fsdp_gpt.compat import unflatten
 from fsdp_gpt.config import UserError, exit_code
 from fsdp_gpt.distributed.context_parallel import context_groups
+from fsdp_gpt.distributed.gpus import PLANNED
 from fsdp_gpt.distributed.precision import Chip, pick_device
 from fsdp_gpt.resilience.watchdog import FIRED, nccl_failure_settings, process_group_timeout
 
@@ -122,6 +123,23 @@ def bound_device(device: torch.device, backend: str) -> torch.device | None:
 
 
 def init_distributed(cfg) -> Topology:
+    rank, world, local_rank, local_world, device, backend, store = (simulated if cfg.dry_run else launched)(cfg)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=process_group_timeout(cfg),
+                            device_id=bound_device(device, backend))
+    wrap = wrapping(cfg, world)
+    if world % cfg.cp_size:
+        raise UserError(f"cp_size={cfg.cp_size} must divide the world size {world}: launch a multiple of {cfg.cp_size} "
+                        f"ranks")
+    cp_group = context_groups(world, cfg.cp_size) if cfg.cp_size > 1 else None
+    mesh, expert_mesh = build_mesh(cfg, world, local_world, device, wrap)
+    planned = PLANNED[cfg.dry_run_gpu].chip if cfg.dry_run else None
+    return Topology(rank, world, local_rank, local_world, device, wrap, mesh, store, cfg.cp_size, cp_group, expert_mesh,
+                    planned)
+
+
+def launched(cfg) -> tuple:
+    """(rank, world size, local rank, local world size, device, backend, store) of a process torchrun
+    (or a plain `python`) started."""
     if "RANK" not in os.environ and int(os.environ.get("SLURM_NTASKS", 1)) > 1:
         # srun started copies of this script without torchrun: each would train alone, writing the same files
         raise UserError(f"started as {os.environ['SLURM_NTASKS']} SLURM tasks without torchrun: start one task per "
@@ -142,15 +160,21 @@ def init_distributed(cfg) -> Topology:
         store = dist.PrefixStore(f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}", store)
     else:  # plain `python train_fsdp.py`: a group of one
         store = dist.HashStore()
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout,
-                            device_id=bound_device(device, backend))
-    wrap = wrapping(cfg, world)
-    if world % cfg.cp_size:
-        raise UserError(f"cp_size={cfg.cp_size} must divide the world size {world}: launch a multiple of {cfg.cp_size} "
-                        f"ranks")
-    cp_group = context_groups(world, cfg.cp_size) if cfg.cp_size > 1 else None
-    mesh, expert_mesh = build_mesh(cfg, world, local_world, device, wrap)
-    return Topology(rank, world, local_rank, local_world, device, wrap, mesh, store, cfg.cp_size, cp_group, expert_mesh)
+    return rank, world, local_rank, local_world, device, backend, store
+
+
+def simulated(cfg) -> tuple:
+    """launched()'s figures for a dry run (--dry_run=NODESxGPUS, observe/plan.py): this one process is rank 0 of
+    that world, in torch's fake process group, whose collectives send nothing (and whose every rank's outcome is
+    this one's: agree); its tensors are the CPU's, fake ones from the weights on."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # importing it registers the fake backend
+    nodes, gpus = cfg.dry_run_world()
+    return 0, nodes * gpus, 0, gpus, torch.device("cpu"), "fake", FakeStore()
+
+
+def simulated_group() -> bool:
+    """Whether the process group is a dry run's, where this process stands for every rank."""
+    return dist.get_backend() == "fake"
 
 
 def build_mesh(cfg, world: int, local_world: int, device: torch.device,
@@ -191,7 +215,10 @@ def agree(fn):
     Where ranks read files on their own (data, checkpoints), one rank's failure must not leave the
     others waiting in their next collective until its timeout. An unexpected error keeps its
     traceback on the rank that hit it and reaches the others as one line naming that rank.
+    A dry run's one process is every rank: its outcome is theirs.
     """
+    if simulated_group():
+        return fn()
     try:
         result, error = fn(), None
     except UserError as e:
@@ -210,6 +237,8 @@ def agree(fn):
 def decided_on_rank0(fn):
     """fn's result, computed by rank 0 alone and sent to every rank (what one rank reads or decides for
     all); a failure there reaches every rank (agree), none is left waiting in the broadcast."""
+    if simulated_group():  # rank 0, every rank
+        return fn()
     result = [agree(lambda: fn() if dist.get_rank() == 0 else None)]
     dist.broadcast_object_list(result, src=0)
     return result[0]

@@ -4,7 +4,10 @@ fully_shard per unit of blocks (fsdp_units.py) and then the root, the vectors le
 (or DDP, or nothing at one process), weights
 initialised on rank 0 and broadcast into the shards. model.py knows nothing of this: every part here is applied from outside.
 """
+import contextlib
+
 import torch
+from torch._subclasses import FakeTensorMode
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
@@ -32,7 +35,9 @@ def initial_state(cfg, gpt_cfg: GPTConfig) -> dict:
     return GPT(gpt_cfg).state_dict()
 
 
-def build_model(cfg, gpt_cfg: GPTConfig, topo: Topology) -> torch.nn.Module:
+def build_model(cfg, gpt_cfg: GPTConfig, topo: Topology, fake: FakeTensorMode | None = None) -> torch.nn.Module:
+    """fake: a dry run's fake tensors (observe/plan.py), the weights' once the model is shaped, converted and
+    wrapped on the meta device: shapes without values, nothing to initialise."""
     with torch.device("meta"):
         model = GPT(gpt_cfg)
     if topo.is_main:  # before the (for large models, long) initialisation
@@ -51,6 +56,7 @@ def build_model(cfg, gpt_cfg: GPTConfig, topo: Topology) -> torch.nn.Module:
         if topo.is_main:
             print(note, flush=True)
     model.activation_checkpointing = cfg.activation_checkpointing
+    model.chunks_for = topo.chip.type  # the device's (a dry run's: the planned GPU's)
     if cfg.compile:
         compile_model(model, cfg.compile_mode)
     param_device = topo.device
@@ -85,12 +91,14 @@ def build_model(cfg, gpt_cfg: GPTConfig, topo: Topology) -> torch.nn.Module:
         fully_shard(model, **shard_args)  # the root: embeddings, final norm, tied LM head (and the blocks, if one unit)
         for unit in (*(u[0] for u in units), model):  # a unit's modules share one FSDP state
             average_over_gloo(unit, topo.device)
-    model.to_empty(device=param_device)
-    model.tie_weights()
-    # Same seed (or folder), same weights for any world size: rank 0 alone builds the full model
-    # (host memory) and the weights are broadcast one tensor at a time into every rank's shards.
-    full_state = agree(lambda: initial_state(cfg, gpt_cfg) if topo.is_main else {})
-    set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    with fake or contextlib.nullcontext():
+        model.to_empty(device=param_device)
+        model.tie_weights()
+    if fake is None:
+        # Same seed (or folder), same weights for any world size: rank 0 alone builds the full model
+        # (host memory) and the weights are broadcast one tensor at a time into every rank's shards.
+        full_state = agree(lambda: initial_state(cfg, gpt_cfg) if topo.is_main else {})
+        set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     if topo.wrap == "ddp":
         # find_unused_parameters keeps DDP's first bucket layout. Otherwise DDP rebuilds its buckets
         # after the first synced step, in the order the gradients arrived: a resumed run's first

@@ -44,11 +44,17 @@ def device_memory_gb(device: torch.device) -> tuple[float, float]:
 def state_gb(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> float:
     """This rank's parameters, gradients (when held) and optimizer state (its shards under FSDP).
     At log time the step's gradients are already freed: the figure is parameters + optimizer state."""
+    return sum(state_parts_gb(model, optimizer).values())
+
+
+def state_parts_gb(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, float]:
+    """state_gb's parts: {"params", "grads", "optimizer"} GB of this rank's."""
     params = list(model.parameters())
-    tensors = params + [p.grad for p in params if p.grad is not None] + [
-        v for state in optimizer.state.values() for v in state.values() if v.dim()]
-    local = (local_part(t) for t in tensors)  # not local_slice: its offsets cost 70 ms at 148 DTensors
-    return sum(t.numel() * t.element_size() for t in local) / 1e9
+    parts = {"params": params, "grads": [p.grad for p in params if p.grad is not None],
+             "optimizer": [v for state in optimizer.state.values() for v in state.values() if v.dim()]}
+    # local_part, not local_slice: its offsets cost 70 ms at 148 DTensors
+    return {name: sum(local_part(t).numel() * local_part(t).element_size() for t in tensors) / 1e9
+            for name, tensors in parts.items()}
 
 
 MEMORY_COLUMNS = ("peak", "reserved", "host", "state")

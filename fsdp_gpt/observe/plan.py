@@ -1,0 +1,265 @@
+"""A dry run (--dry_run=NODESxGPUS, docs/scale_plan.md): the trainer's own start-up and one training step, as
+rank 0 of that world runs them, in this one CPU process. The process group is torch's fake one (launch.simulated:
+collectives send nothing), the weights fake tensors (shapes and dtypes, no storage, nothing computed), the
+batches fake ones of a rank's shape (no data read), the decisions the device's (the compute dtype, FP8, the
+units' layout) the planned GPU's (distributed/gpus.py). What it measures, it measures of the real code: the
+memory of the step's every tensor (torch's FSDP2 memory tracker), each collective the step issues with its
+bytes and its group, the state as mem/state_gb counts it, a save's files.
+
+Here are the measuring instruments; plan_report.py makes the figures a team reads of what they found.
+"""
+import collections
+import contextlib
+import dataclasses
+import io
+import os
+import sys
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import ProcessGroup
+from torch._subclasses import FakeTensorMode
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fsdp_gpt.config import UserError
+from fsdp_gpt.distributed.context_parallel import positions_of, row_pieces
+from fsdp_gpt.distributed.launch import Topology
+from fsdp_gpt.observe.metrics import state_parts_gb
+from fsdp_gpt.observe.plan_report import figures, screen, write
+
+c10d, funcol, funcol_autograd = torch.ops.c10d, torch.ops._c10d_functional, torch.ops._c10d_functional_autograd
+
+# op -> (kind, the tensor whose bytes the collective is about: "out" the result, or an argument's index), and
+# where its process group is (an argument's index; a functional collective's is the group's name)
+COLLECTIVES = {
+    c10d._allgather_base_.default: ("all_gather", 0, 2),  # (output, input, group): the gathered buffer
+    c10d.allgather_into_tensor_coalesced_.default: ("all_gather", 0, 2),
+    c10d._reduce_scatter_base_.default: ("reduce_scatter", 1, 2),  # (output, input, group): the buffer reduced
+    c10d.reduce_scatter_tensor_coalesced_.default: ("reduce_scatter", 1, 2),
+    c10d.allreduce_.default: ("all_reduce", 0, 1),  # ([tensors], group)
+    c10d.alltoall_base_.default: ("all_to_all", 1, 2),  # (output, input, group): what this rank sends
+    c10d.alltoall_.default: ("all_to_all", 1, 2),
+    c10d.send.default: ("send", 0, 1),  # ([tensors], group, peer)
+    c10d.broadcast_.default: ("broadcast", 0, 1),
+    funcol.all_gather_into_tensor.default: ("all_gather", "out", 2),  # (input, group size, group name)
+    funcol_autograd.all_gather_into_tensor.default: ("all_gather", "out", 2),
+    funcol.reduce_scatter_tensor.default: ("reduce_scatter", 0, 3),  # (input, op, group size, group name)
+    funcol_autograd.reduce_scatter_tensor.default: ("reduce_scatter", 0, 3),
+    funcol.all_reduce.default: ("all_reduce", 0, 2),  # (input, op, group name)
+    funcol.all_to_all_single.default: ("all_to_all", 0, 3),  # (input, output sizes, input sizes, group name)
+    funcol_autograd.all_to_all_single.default: ("all_to_all", 0, 3),
+}
+# what each rank sends of a collective's bytes over n ranks, as rings and pairwise exchanges move them
+SENT = {"all_gather": lambda n: (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
+        "all_reduce": lambda n: 2 * (n - 1) / n, "all_to_all": lambda n: (n - 1) / n, "send": lambda n: 1.0,
+        "broadcast": lambda n: 1.0}
+
+
+def tensor_bytes(tensors) -> int:
+    tensors = tensors if isinstance(tensors, (list, tuple)) else [tensors]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def group_of(where) -> ProcessGroup:
+    return dist.distributed_c10d._resolve_process_group(where) if isinstance(where, str) else ProcessGroup.unbox(where)
+
+
+class Collectives:
+    """Each collective a step issues, summed by kind and process group: calls, and the bytes each rank sends (of
+    an all-gather's gathered buffer, a reduce-scatter's reduced one, an all-reduce's, the rows an all-to-all
+    sends, each in its own dtype)."""
+
+    def __init__(self):
+        self.calls, self.sent = collections.Counter(), collections.Counter()
+        self.groups = {}  # group name -> the group
+
+    def record(self, func, args, out) -> None:
+        if func not in COLLECTIVES:
+            return
+        kind, which, where = COLLECTIVES[func]
+        group = group_of(args[where])
+        payload = tensor_bytes(out if which == "out" else args[which])
+        key = (kind, group.group_name)
+        self.groups[group.group_name] = group
+        self.calls[key] += 1
+        self.sent[key] += payload * SENT[kind](group.size())
+
+    def by_kind(self) -> dict[str, float]:
+        """GB each rank sends a step, by kind of collective."""
+        kinds = collections.Counter()
+        for (kind, _), sent in self.sent.items():
+            kinds[kind] += sent / 1e9
+        return dict(kinds)
+
+
+class CountedCollectives(TorchDispatchMode):
+    """Collectives counted over real tensors (tests/plan_probe.py measures a real run's step with it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.collectives = Collectives()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.collectives.record(func, args, out)
+        return out
+
+
+class StepTracker(MemTracker):
+    """torch's memory tracker (every tensor's storage, by what it holds, over the step: its peak), counting the
+    collectives it sees pass too: one mode over each of the step's operations, not two. Not its FSDP2 tracker:
+    in torch 2.13 that one hooks each module of a unit of several blocks as a unit of its own, resharding after
+    each, so the step it measures gathers more often and holds less than the run's."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        super().__init__()
+        self.track_external(model, optimizer)
+        self.collectives = Collectives()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.prim.device.default:  # a fake tensor's device, asked often: nothing to track
+            return func(*args, **(kwargs or {}))
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        self.collectives.record(func, args, out)
+        return out
+
+    def restart(self) -> None:
+        """The peak and the collectives counted from now on (the peak as entering starts it), for another step
+        under the same tracker."""
+        self._peak_mem_snap = self.get_tracker_snapshot()
+        self._peak_mem = {device: snapshot["Total"] for device, snapshot in self._peak_mem_snap.items()}
+        self.reset_mod_stats()
+        self.collectives = Collectives()
+
+    def peak_gb(self, device: torch.device) -> dict[str, float]:
+        """The step's peak: GB in all, and of each kind of tensor at that moment."""
+        return {str(kind): n / 1e9 for kind, n in self.get_tracker_snapshot("peak")[device].items()}
+
+
+class FakeBatches:
+    """The loader's micro-batches for a dry run: fake tensors of a rank's shape (its pieces of micro_batch rows
+    under context parallelism), nothing read. doc_mask's documents: each row one (the data decides otherwise)."""
+
+    def __init__(self, cfg, topo: Topology):
+        self.pieces = row_pieces(cfg.cp_mode, topo.cp_rank, topo.cp_size, cfg.block_size)
+        self.positions = positions_of(self.pieces).to(topo.device)
+        self.device, self.rows, self.doc_mask = topo.device, cfg.micro_batch, cfg.doc_mask
+        self.count = 1  # micro-batches a step: the step measured sets it
+
+    def micro_batches(self, step: int):
+        tokens = len(self.positions)
+        opens = np.zeros((self.rows, tokens), dtype=bool) if self.doc_mask else None
+        if opens is not None and self.pieces[0][0] == 0:
+            opens[:, 0] = True
+        for _ in range(self.count):
+            x = torch.zeros(self.rows, tokens, dtype=torch.long, device=self.device)
+            yield x, x, opens
+
+
+@dataclasses.dataclass
+class Measured:
+    """What one measured step found."""
+    peak: dict[str, float]  # GB: "Total", and each kind of tensor at the peak
+    collectives: Collectives
+    grads_gb: float  # this rank's gradients after backward (its shards: FSDP2 keeps them sharded)
+
+
+def prime(optimizer: torch.optim.Optimizer) -> None:
+    """The optimizer's state as its first update makes it, from zero gradients."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+class Measuring:
+    """What a measured step calls: its micro-steps' setting (each micro-step's forward calls the modules again,
+    which the tracker takes for a new step unless told: its per-module figures restart, the peak goes on), and
+    after its backward (its gradients then exist)."""
+
+    def __init__(self, tracker: StepTracker, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        self.tracker, self.model, self.optimizer, self.grads_gb = tracker, model, optimizer, 0.0
+
+    def micro_steps(self, set_micro_step):
+        def set_measured(model: torch.nn.Module, last: bool) -> None:
+            self.tracker.reset_mod_stats()
+            set_micro_step(model, last)
+        return set_measured
+
+    def after_backward(self) -> None:
+        self.grads_gb = state_parts_gb(self.model, self.optimizer)["grads"]
+
+
+class Tee(io.TextIOBase):
+    """What is printed, printed and kept."""
+
+    def __init__(self, stream):
+        self.stream, self.kept = stream, []
+
+    def write(self, text: str) -> int:
+        self.kept.append(text)
+        return self.stream.write(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+class DryRun:
+    """The fake tensors the weights, the batches and the step live in, the step measured, the plan made."""
+
+    def __init__(self, cfg, topo: Topology, accum_steps: int):
+        if cfg.vocab_size is None:  # the run takes it from its data, which a dry run doesn't read
+            raise UserError("a dry run reads no data: set vocab_size (the data's tokenizer's size, rounded up to 64)")
+        if topo.wrap != "fsdp":
+            raise UserError(f"a dry run plans FSDP2's ranks: {'one process runs unwrapped' if topo.wrap == 'none' else 'DDP'}"
+                            f" is not planned (fsdp: true, at 2 ranks or more or with force_fsdp)")
+        self.cfg, self.topo, self.accum_steps = cfg, topo, accum_steps
+        self.start_up_lines = []
+        # fake tensors stand for every tensor made inside; the few plain ones a forward meets (a host array's
+        # documents) become fake where they meet
+        self.fake = FakeTensorMode(allow_non_fake_inputs=True)
+        with self.fake:
+            self.batches = FakeBatches(cfg, topo)
+        self.steps = {}  # activation checkpointing (True, False) -> Measured
+
+    def measure(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step, set_micro_step) -> None:
+        """step(micro_steps, set_micro_step, after_backward) measured with activation checkpointing as configured
+        (every micro-step of the run's step), and the other way (two micro-steps, or one: the peak of the
+        micro-steps past the second is the second's, which holds what the first's backward left unreduced), the
+        optimizer's state primed first, as every step after the first holds it."""
+        gpt = getattr(model, "module", model)
+        with self.fake:
+            prime(optimizer)
+        configured = self.cfg.activation_checkpointing
+        with self.fake, StepTracker(model, optimizer) as tracker:
+            for checkpointing, micro_steps in ((configured, self.accum_steps), (not configured, min(self.accum_steps, 2))):
+                gpt.activation_checkpointing = checkpointing
+                self.batches.count = micro_steps
+                tracker.restart()
+                measuring = Measuring(tracker, model, optimizer)
+                step(micro_steps, measuring.micro_steps(set_micro_step), measuring.after_backward)
+                self.steps[checkpointing] = Measured(tracker.peak_gb(self.topo.device), tracker.collectives,
+                                                     measuring.grads_gb)
+        gpt.activation_checkpointing = configured
+
+    @contextlib.contextmanager
+    def start_up(self):
+        """Around start-up's own prints (the parameters, the units' layout, FP8's line): kept for the plan."""
+        tee = Tee(sys.stdout)
+        with contextlib.redirect_stdout(tee):
+            yield
+        self.start_up_lines += "".join(tee.kept).splitlines()
+
+    def report(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, saved: dict) -> dict:
+        """The plan printed and written (dry_run_out, or plan.json in the checkpoint folder); returned."""
+        gpt = getattr(model, "module", model)
+        plan = figures(self.cfg, self.topo, gpt, gpt.num_params(), self.accum_steps, state_parts_gb(model, optimizer),
+                       self.steps, saved, self.start_up_lines)
+        path = self.cfg.dry_run_out or os.path.join(self.cfg.checkpoint_dir, "plan.json")
+        write(plan, path)
+        print(screen(plan), flush=True)
+        print(f"plan written to {path}", flush=True)
+        return plan
