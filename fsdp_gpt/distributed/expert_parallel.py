@@ -20,6 +20,7 @@ import logging
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
@@ -62,7 +63,17 @@ class ExpertParallel:
     """MoE.run_experts across an expert group: rows grouped by (global) expert in, their results out."""
 
     def __init__(self, ep_mesh: DeviceMesh):
-        self.group, self.ep = ep_mesh.get_group(), ep_mesh.size()
+        self.group, self.ep, self.rank = ep_mesh.get_group(), ep_mesh.size(), ep_mesh.get_local_rank()
+
+    def splits(self, per_rank: torch.Tensor, received: torch.Tensor, rows: int) -> tuple[list[int], list[int]]:
+        """The rows this rank sends each rank of its group, and receives from each: host integers, one sync for
+        the layer's two exchanges. A dry run's counts are fake, without values to read: there each rank sends
+        every rank its even share of its rows and receives as much (the routing taken as balanced)."""
+        if is_fake(per_rank):
+            even = [rows // self.ep + (i < rows % self.ep) for i in range(self.ep)]
+            return even, [even[self.rank]] * self.ep
+        send, receive = torch.stack([per_rank.sum(1), received.sum(1)]).tolist()
+        return send, receive
 
     @torch.compiler.disable  # eager: traced, the host split sizes would recompile the block at every new routing
     def __call__(self, experts: GroupedExperts, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -70,9 +81,7 @@ class ExpertParallel:
         per_rank = counts.view(self.ep, -1)  # (ep, local experts): what I send to each rank, per its expert
         received = torch.empty_like(per_rank)  # (ep, local experts): what each rank sends me, per my expert
         dist.all_to_all_single(received, per_rank, group=self.group)
-        # the splits are host integers: one sync for the layer's two exchanges
-        sizes = torch.stack([per_rank.sum(1), received.sum(1)]).tolist()
-        send, receive = sizes
+        send, receive = self.splits(per_rank, received, x.shape[0])
         rows = all_to_all_single_autograd(x, receive, send, self.group)  # (sender, my expert)-ordered
         # regroup by my expert (a stable sort keeps each sender's rows in order), compute, undo
         local_experts = received.shape[1]

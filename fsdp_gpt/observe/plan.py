@@ -10,6 +10,7 @@ Here are the measuring instruments; plan_report.py makes the figures a team read
 """
 import collections
 import contextlib
+import copy
 import dataclasses
 import io
 import os
@@ -124,6 +125,20 @@ class StepTracker(MemTracker):
         out = super().__torch_dispatch__(func, types, args, kwargs)
         self.collectives.record(func, args, out)
         return out
+
+    def _update_peak_stats(self, peak_state) -> None:
+        # the step's peak alone: torch's also walks every module it has met at each operation for each one's own
+        # peak, which the plan doesn't read and which made a step's cost grow as the square of its layers
+        for device, snapshot in self._curr_mem_snap.items():
+            if self._peak_mem.get(device, 0) < snapshot["Total"]:
+                self._peak_mem[device] = snapshot["Total"]
+                self._peak_mem_snap[device] = copy.deepcopy(snapshot)
+
+    def _track_module_params_and_buffers(self, module: torch.nn.Module, install_grad_hooks: bool = True):
+        # without its hooks on each parameter's gradient, which torch registers on every one a module holds and
+        # which fail on a parameter without gradient (the experts' selection bias): a gradient is counted all the
+        # same, as the tensor the backward makes
+        return super()._track_module_params_and_buffers(module, install_grad_hooks=False)
 
     def restart(self) -> None:
         """The peak and the collectives counted from now on (the peak as entering starts it), for another step
