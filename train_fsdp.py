@@ -32,7 +32,6 @@ from fsdp_gpt.evaluation.in_training import evaluate, load_mc_sets
 from fsdp_gpt.hf_format import define_model
 from fsdp_gpt.model import GPTConfig
 from fsdp_gpt.observe.metrics import ProgressLog, per_rank_stats
-from fsdp_gpt.observe.plan import DryRun
 from fsdp_gpt.observe.profiling import Profiling
 from fsdp_gpt.observe.spikes import check_skip
 from fsdp_gpt.observe.step_times import StepTimes
@@ -230,6 +229,7 @@ def train_watched(cfg, topo: Topology, stop: StopRequest, watchdog: Watchdog, so
 def dry_run(cfg) -> int:
     """--dry_run=NODESxGPUS: this file's start-up and a step as rank 0 of that world runs them, in this one
     process, on a fake process group and fake tensors (observe/plan.py); the plan printed and written."""
+    from fsdp_gpt.observe.plan import DryRun  # here: torch's memory tracker takes 2 s to import, a run's start-up
     topo = init_distributed(cfg)
     accum_steps, dtype = launch_checks(cfg, topo)
     plan = DryRun(cfg, topo, accum_steps)
@@ -239,12 +239,14 @@ def dry_run(cfg) -> int:
     gpt = getattr(model, "module", model)
     with plan.fake:
         optimizer = build_optimizer(cfg, gpt, topo.device)
-        fp8_scales, balance = Float8Scales(gpt), ExpertBalance(gpt, cfg.moe_bias_rate, topo.device)
+        balance = ExpertBalance(gpt, cfg.moe_bias_rate, topo.device)
     compute, reduce_whole_grads = forward_context(cfg, topo), gradient_reduction(model, topo)
     no_scaling, times = torch.amp.GradScaler(topo.device.type, enabled=False), StepTimes(topo.device)
 
     def step(micro_steps: int, set_micro_step, after_backward) -> None:
-        """The loop's step, less what reads values fake tensors lack (spikes, the guard, fp16's scaler's check)."""
+        """The loop's step, less what reads values fake tensors lack: spikes, the guard, fp16's scaler's check, and
+        Float8Scales (torchao 0.18's FP8-gathered weight tests its precomputed scale's truth; without one, each
+        gather computes its scale, as a first step's do: the same bytes)."""
         times.begin()
         forward_backward(model, plan.batches, 1, micro_steps, times, compute, no_scaling, set_micro_step)
         reduce_whole_grads()
@@ -252,7 +254,6 @@ def dry_run(cfg) -> int:
         after_backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        fp8_scales.step()
         balance.step()
     plan.measure(model, optimizer, step, micro_steps(cfg, model))
     plan.report(model, optimizer, saved_files(cfg, model, optimizer, topo.rank))

@@ -45,10 +45,21 @@ def collectives(measured, topo: Topology, gpu) -> list[dict]:
     return rows
 
 
+def assumptions(cfg) -> list[str]:
+    """What the dry run takes for what it can't know, where the config makes it matter."""
+    notes = ["the memory of the CPU's kernels (a fused kernel of the GPU's may hold a temporary less)"]
+    notes += ["compile: true planned eager (the step holds what eager PyTorch holds; compiled, a little less)"] * cfg.compile
+    notes += ["ep_size: each rank's tokens routed to the ranks of its expert group evenly (a skewed routing sends "
+              "and holds more on the busiest rank)"] * (cfg.ep_size > 1)
+    notes += ["doc_mask: each row one document (the data's documents change the attention's work, not its "
+              "memory)"] * cfg.doc_mask
+    return notes
+
+
 def figures(cfg, topo: Topology, gpt, params: int, accum_steps: int, state: dict, steps: dict, saved: dict,
-            start_up: list[str]) -> dict:
+            start_up: list[str], cost: dict) -> dict:
     """The plan as JSON: steps {activation checkpointing: plan.Measured}, state: metrics.state_parts_gb after
-    the step (its gradients freed), saved: fsdp_ckpt.saved_files."""
+    the step (its gradients freed), saved: fsdp_ckpt.saved_files, cost: the dry run's own time and memory."""
     gpu = PLANNED[cfg.dry_run_gpu]
     configured = steps[cfg.activation_checkpointing]
     rows = collectives(configured, topo, gpu)
@@ -84,6 +95,7 @@ def figures(cfg, topo: Topology, gpt, params: int, accum_steps: int, state: dict
                        "tokens_per_s_serial": tokens / (compute_s + collective_s)},
         "checkpoint": {"type": cfg.checkpoint_type, "files_per_rank": saved["files"], "bytes_per_rank": saved["bytes"],
                        "whole_bytes": saved["whole_bytes"]},
+        "assumptions": assumptions(cfg), "dry_run": cost,
     }
 
 
@@ -105,7 +117,7 @@ def screen(plan: dict) -> str:
         verdicts = [f"fits {how}" if peaks[on] <= fit["memory_gb"] else f"{_gb(peaks[on] - fit['memory_gb'])} GB short {how}"
                     for on, how in (("false", "without"), ("true", "with"))]
         lines.append(f"  {name} ({fit['memory_gb']:g} GB): {', '.join(verdicts)}")
-    lines.append(f"collectives a step, GB each rank sends: " + ", ".join(
+    lines.append("collectives a step, GB each rank sends: " + ", ".join(
         f"{kind} {_gb(gb)}" for kind, gb in step["collective_gb"].items()))
     for row in step["collectives"]:
         lines.append(f"  {row['kind']} over {row['group']} ({row['ranks']} ranks, {row['nodes']} node"
@@ -119,6 +131,8 @@ def screen(plan: dict) -> str:
                  f"{floor['tokens_per_s_serial']:,.0f} not overlapped")
     lines.append(f"checkpoint ({ckpt['type']}): {ckpt['files_per_rank']} file{'s' * (ckpt['files_per_rank'] != 1)} "
                  f"on rank {plan['rank']}, {ckpt['bytes_per_rank'] / 1e9:.3g} GB; {ckpt['whole_bytes'] / 1e9:.3g} GB in all")
+    lines += [f"assumed: {note}" for note in plan["assumptions"]]
+    lines.append(f"(planned in {plan['dry_run']['seconds']:.0f} s, {plan['dry_run']['host_peak_gb']:.2f} GB of host memory)")
     return "\n".join(lines)
 
 
