@@ -6,6 +6,7 @@ the tokens routed to them (`run_experts`) is replaceable from outside, as attent
 """
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import is_fake
 
 from fsdp_gpt.compat import autocast_dtype, grouped_mm_on_cpu
 
@@ -13,11 +14,12 @@ from fsdp_gpt.compat import autocast_dtype, grouped_mm_on_cpu
 def grouped_mm_runs(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether torch._grouped_mm computes x's groups against w's experts here: on CUDA in bf16 from
     sm90 (H100) on; on CPU from torch 2.13 (fp32 and bf16; torch 2.8 has no CPU kernel). It wants each
-    matrix's rows 16-byte aligned (widths x itemsize multiples of 16); torch.compile traces it in bf16
-    only (its shape function refuses fp32 in 2.13). Elsewhere: a matmul per expert."""
+    matrix's rows 16-byte aligned (widths x itemsize multiples of 16); torch.compile traces it, and fake
+    tensors (a dry run's) take its shape, in bf16 only (its shape function refuses fp32 in 2.13). Elsewhere:
+    a matmul per expert."""
     if not hasattr(torch, "_grouped_mm") or any(n * x.element_size() % 16 for n in w.shape[1:]):
         return False
-    if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:
+    if (torch.compiler.is_compiling() or is_fake(x)) and x.dtype != torch.bfloat16:
         return False
     if x.device.type == "cuda":
         return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
