@@ -1,17 +1,15 @@
 """The sharded checkpoint index on its own: which files a rank opens, and whether a set is whole."""
 import os
-import sys
 
 import pytest
+import torch
 
 from fsdp_gpt.checkpoint.ckpt_format import CorruptCheckpoint
 from fsdp_gpt.distributed.shards import dim0_shard
 from fsdp_gpt.checkpoint.ckpt_index import build_index, check_whole, files_to_open
 from fsdp_gpt.config_parse import parse_args
+from fsdp_gpt.model import GPT, GPTConfig
 from conftest import ROOT
-
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-from scale_plan import units  # noqa: E402
 
 ROWS = {"model/wte.weight": 256, "model/ln.bias": 64, "model/odd.weight": 50, "model/tiny.bias": 3}
 
@@ -23,7 +21,8 @@ def flat_layouts(world: int) -> list[dict]:
 def model_rows(config: str) -> dict:
     """{key: rows} of a config's model, as the index keys its weights."""
     cfg = parse_args([os.path.join(ROOT, "config", config), "--vocab_size=50304"])
-    return {f"model/{name}": shape[0] for unit in units(cfg) for name, shape in unit}
+    with torch.device("meta"):
+        return {f"model/{name}": p.shape[0] for name, p in GPT(GPTConfig.of(cfg)).named_parameters()}
 
 
 def opened(rows: dict, saved_world: int, world: int) -> list[list[int]]:

@@ -1,18 +1,16 @@
 """Muon under FSDP2: the update of torch's single-device Muon, parity of every layout with one
 process, momentum in full and sharded checkpoints, resumes bitwise and resharded."""
+import json
 import os
-import sys
 
 import pytest
 import torch
 
 from fsdp_gpt.checkpoint import ckpt_format
-from fsdp_gpt.config import TrainConfig
-from conftest import ROOT, assert_quiet, checkpoint_of, launch, launcher_once, run_trainer, scalars, stderr_of
+from fsdp_gpt.config import TrainConfig, to_yaml
+from conftest import (ROOT, TRAINER, assert_quiet, checkpoint_of, launch, launcher_once, run_trainer, scalars,
+                      stderr_of)
 from fsdp_gpt.optim.muon import MuonWithAdamW, orthogonalise, rms_matching_scale
-
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-from scale_plan import Plan  # noqa: E402
 
 # n_embd 66: 4 ranks hold 50/50/50/48 rows of c_attn, 17/17/17/15 of c_proj (uneven slices);
 # 24 sequences a step: 1, 2, 3 and 4 ranks take whole micro-batches of 2, with accumulation
@@ -164,21 +162,19 @@ def test_momentum_reshards(source, kind, nproc, settings, runs, corpus, tmp_path
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fixture, layout", [("runs", "OFFLOAD"), ("recipe_runs", "FULL_SHARD")])
-def test_scale_plan_knows_muons_state(fixture, layout, request):
-    """bench/scale_plan.py with optimizer: muon against a sharded run (the recipe's: NorMuon's row
-    moments too): the state each rank logged (one momentum per matrix, two AdamW moments for the
-    rest), the index its checkpoint holds."""
+def test_the_dry_run_knows_muons_state(fixture, layout, request, tmp_path):
+    """A dry run of a sharded Muon run's config (the recipe's: NorMuon's row moments too) at its world size:
+    rank 0's state as the run logged it (one momentum per matrix, two AdamW moments for the rest)."""
     nproc, settings = {"runs": LAYOUTS, "recipe_runs": RECIPE_LAYOUTS}[fixture][layout]
     run_dir = request.getfixturevalue(fixture)(layout, nproc, **settings)
-    saved = torch.load(checkpoint_of(run_dir, "sharded", 6, rank=0), weights_only=True)
-    plan = Plan(TrainConfig(**saved["config"]), gpus=nproc, shard=nproc)
-    for rank in range(nproc):
-        logged = scalars(os.path.join(run_dir, "tb"), f"mem/rank{rank}/state_gb")[6]
-        planned = plan.state_bytes(rank)
-        assert logged == pytest.approx((planned["parameters"] + planned["optimizer"]) / 1e9, rel=1e-6), rank
-    index, planned = ckpt_format.read_marker(os.path.join(run_dir, "ckpt"), 6)["index"], plan.index()
-    assert sorted(index) == sorted(planned)
-    assert all(index[key][0] == planned[key][0] and torch.equal(index[key][1], planned[key][1]) for key in index)
+    config = tmp_path / "config.yaml"
+    config.write_text(to_yaml(TrainConfig(**torch.load(checkpoint_of(run_dir, "sharded", 6, rank=0),
+                                                       weights_only=True)["config"])))
+    out = tmp_path / "plan.json"
+    result = launch([TRAINER, str(config), f"--dry_run=1x{nproc}", f"--dry_run_out={out}"], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    planned = json.loads(out.read_text())["per_rank"]["state_gb"]
+    assert planned == pytest.approx(scalars(os.path.join(run_dir, "tb"), "mem/rank0/state_gb")[6], rel=1e-6)
 
 
 # ---- the speedrun recipe's parts (docs/recipe.md) under Muon's layouts ----
