@@ -18,6 +18,15 @@ def all_gather_flat(output, tensor, group=None) -> None:
     gather(output, tensor, group=group)
 
 
+def all_gather_autograd(tensor: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's `tensor` concatenated along dim 0, its backward the reduce-scatter of the gradient
+    (a functional collective). torch 2.13 names it all_gather_single_autograd and deprecates the older
+    name, which 2.8 alone has."""
+    from torch.distributed import _functional_collectives as collectives
+    gather = getattr(collectives, "all_gather_single_autograd", None) or collectives.all_gather_tensor_autograd
+    return gather(tensor, 0, group)
+
+
 def grouped_mm_on_cpu() -> bool:
     """Whether torch._grouped_mm has a CPU kernel: from torch 2.13 (2.8 has none)."""
     return torch_version() >= (2, 13)

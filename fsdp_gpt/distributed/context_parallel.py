@@ -12,8 +12,11 @@ group. The row is cut into 2 x cp chunks and rank c holds chunks c and 2cp-1-c (
 chunk, whose queries see little, with a late one, whose queries see much, so that every rank has the
 same causal work. No head-count limit.
 
-Everything but attention works on a token alone, so it runs on a rank's tokens as they are. The
-data-parallel ranks and the context ranks hold the same weights, and FSDP shards them over both.
+Everything but attention and the linear layers' rule and convolution works on a token alone, so it
+runs on a rank's tokens as they are. A linear layer (Gated DeltaNet) takes, in either mode, the state
+and the convolution's inputs that the pieces before each of the rank's pieces end with
+(linear_context.py). The data-parallel ranks and the context ranks hold the same weights, and FSDP
+shards them over both.
 doc_mask: every rank learns where the whole rows' documents lie, once per forward (one all-gather of
 the tokens that open them), and every layer's attention reads it.
 """
@@ -25,8 +28,10 @@ import torch.distributed as dist
 # the blocks would fall back to eager)
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
+from fsdp_gpt.distributed.linear_context import LinearPieces
 from fsdp_gpt.distributed.ring_attention import RingAttention
 from fsdp_gpt.attention import Documents, causal_attention
+from fsdp_gpt.linear_attention import GatedDeltaNet
 from fsdp_gpt.model import GPT
 
 
@@ -119,13 +124,16 @@ class RowDocuments:
 
 def apply_context_parallel(gpt: GPT, mode: str, group, cp_size: int, cp_rank: int, block_size: int,
                            device: torch.device) -> None:
-    """The attention cores (one object shared by every layer) and the documents' finder of a rank
-    of a context group. The ring runs at cp_size 1 too: one rank, no passes, its kernels alone (a
-    window shorter than the row: the model's own windowed attention)."""
-    core = UlyssesAttention(group, cp_size) if mode == "ulysses" else RingAttention(
+    """The attention cores and the linear layers' (one object each, shared by every layer of its
+    kind) and the documents' finder of a rank of a context group. The ring runs at cp_size 1 too:
+    one rank, no passes, its kernels alone (a window shorter than the row: the model's own windowed
+    attention); the linear layers' core is their own there."""
+    attention = UlyssesAttention(group, cp_size) if mode == "ulysses" else RingAttention(
         group, cp_rank, [row_positions(mode, rank, cp_size, block_size) for rank in range(cp_size)])
+    linear = LinearPieces(group, cp_rank, [row_pieces(mode, rank, cp_size, block_size) for rank in range(cp_size)]
+                          ) if cp_size > 1 else GatedDeltaNet.plain_core
     for block in gpt.blocks:
-        block.attn.core = core
+        block.attn.core = linear if isinstance(block.attn, GatedDeltaNet) else attention
     if cp_size > 1:
         gpt.documents = RowDocuments(group, cp_size, mode, block_size, device)
 

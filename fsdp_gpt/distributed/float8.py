@@ -7,7 +7,8 @@ What converts: the nn.Linear layers inside the blocks (attention's and the MLP's
 experts), by `fp8_layers`. What stays in high precision: the embeddings and the LM head (tied to the
 embedding, and the chunked loss multiplies by its weight directly, never calling it), a mixture's
 routers (their scores pick the experts) and its routed experts (stacked weights in grouped matmuls:
-torchao's FP8 grouped matmul is a prototype that needs CUDA and Triton, untested here).
+torchao's FP8 grouped matmul is a prototype that needs CUDA and Triton, untested here), a linear
+layer's gates (HIGH_PRECISION).
 
 torchao is imported only when `fp8` is set: a run, evaluate.py or sample.py without it never needs it.
 """
@@ -93,10 +94,15 @@ def pays(recipe: str, n: int, k: int) -> bool:
     return not (n <= 2048 or k <= 1024 or (n <= 4096 and k <= 2048))
 
 
+# the blocks' linears that stay in high precision: the routers (their scores pick the experts) and a linear
+# layer's gates (each head's decay and write strength, through exp and sigmoid)
+HIGH_PRECISION = (".router", ".in_proj_a", ".in_proj_b")
+
+
 def candidates(model: nn.Module) -> dict[str, nn.Linear]:
-    """{name: linear} of the blocks' linears that may run in FP8 (the routers' never do)."""
+    """{name: linear} of the blocks' linears that may run in FP8 (HIGH_PRECISION's never do)."""
     return {name: m for name, m in model.named_modules()
-            if isinstance(m, nn.Linear) and name.startswith("blocks.") and not name.endswith(".router")}
+            if isinstance(m, nn.Linear) and name.startswith("blocks.") and not name.endswith(HIGH_PRECISION)}
 
 
 def chosen(recipe: str, layers: str, linear: nn.Linear) -> bool:
