@@ -28,7 +28,7 @@ sys.path.insert(0, ROOT)
 from fsdp_gpt.observe.figures_file import read_figures  # noqa: E402
 
 DEMO = os.path.join(ROOT, "config", "demo_cpu.yaml")
-MODEL = ["--arch=llama", "--n_layer=2", "--n_head=4", "--n_embd=128", "--linear_key_heads=4", "--dtype=fp32",
+MODEL = ["--arch=llama", "--n_layer=2", "--n_head=4", "--n_embd=128", "--dtype=fp32",
          "--sample_tokens=0", "--eval_iters=1", "--eval_interval=1000", "--save_interval=1000",
          "--train_batch=1", "--micro_batch=1", "--log_interval=1", "--warmup_iters=1"]
 PATTERNS = {"linear": "[linear]", "full": "[full]", "hybrid": "[linear,full]"}
@@ -41,7 +41,7 @@ def launch(nproc: int, args: list[str], workdir: str) -> tuple[str, str]:
     cmd = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                f"--nproc_per_node={nproc}"]
     # glibc hands freed blocks back to the OS only above this size: else peak RSS counts memory given back
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS=str(max(1, os.cpu_count() // nproc)))
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
     cmd += [os.path.join(ROOT, "train_fsdp.py"), DEMO] + MODEL + args + [
         f"--data_path={os.path.join(ROOT, 'data', 'stdlib_bytes')}", "--checkpoint_dir=ckpt_linear",
         "--tensorboard_dir=tb_linear"]
@@ -98,10 +98,14 @@ def main() -> None:
     parser.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--modes", nargs="+", choices=("ulysses", "ring"), default=["ulysses", "ring"])
     parser.add_argument("--steps", type=int, default=3)
+    # one thread a rank by default: on a machine shared with other work, two threads' barriers stall
+    # (a 4k row ran 20x slower at two threads than at one beside two niced processes)
+    parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each rank")
     args = parser.parse_args()
-    workdir = os.path.join(ROOT, "bench", "runs")
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    workdir = os.path.join(ROOT, "bench", "runs", f"linear_{args.table}")  # the two tables may run at once
     os.makedirs(workdir, exist_ok=True)
-    print(f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPU cores")
+    print(f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPU cores, {args.threads} thread(s) a rank")
     if args.table == "rows":
         rows_table(args.rows, args.mixers, args.steps, workdir)
     else:

@@ -120,16 +120,20 @@ def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
             u_written = F.pad(u_written, (width - dv, 0))
         S = None if state is None else state.float()
         outputs = []
-        for i in range(q.shape[2]):
+        # each chunk's slices taken once (unbind): indexing a chunk in the loop would make backward add a
+        # whole tensor of zeros per chunk, work quadratic in the row
+        per_chunk = [t.unbind(2) for t in (u_written, u_read, scores, q_decayed, k_decayed, chunk_decay)]
+        chunks = q.shape[2]
+        for i, (written_u, read_u, score, q_i, k_i, decay_i) in enumerate(zip(*per_chunk)):
             if S is None:  # a zero state: nothing to read or to subtract
-                u = u_written[:, :, i]
-                outputs.append(scores[:, :, i] @ u)
+                u = written_u
+                outputs.append(score @ u)
             else:
-                u = u_written[:, :, i] - u_read[:, :, i] @ S
-                outputs.append(q_decayed[:, :, i] @ S + scores[:, :, i] @ u)
-            if final or i < q.shape[2] - 1:  # the last chunk's state only where it is wanted
-                written = k_decayed[:, :, i].mT @ u
-                S = written if S is None else chunk_decay[:, :, i] * S + written
+                u = written_u - read_u @ S
+                outputs.append(q_i @ S + score @ u)
+            if final or i < chunks - 1:  # the last chunk's state only where it is wanted
+                written = k_i.mT @ u
+                S = written if S is None else decay_i * S + written
         out = torch.stack(outputs, dim=2).flatten(2, 3)[:, :, :T].transpose(1, 2)
     return out, (S if final else None)
 
