@@ -21,11 +21,11 @@ def logged(run_dir) -> dict[str, dict[int, float]]:
     return {tag: scalars(os.path.join(run_dir, "tb"), tag) for tag in TAGS}
 
 
-def assert_parity(reference: dict, got: dict) -> None:
+def assert_parity(reference: dict, got: dict, rel: float = 1e-4) -> None:
     for tag, values in reference.items():
         assert sorted(got[tag]) == sorted(values), tag
         for step, value in values.items():
-            assert got[tag][step] == pytest.approx(value, rel=1e-4), (tag, step)
+            assert got[tag][step] == pytest.approx(value, rel=rel), (tag, step)
 
 
 @pytest.mark.slow

@@ -8,10 +8,10 @@ import os
 import pytest
 
 from conftest import RUN, ROOT, checkpoint_of, evaluated, launch, launcher_once, run_trainer, scalars, tool
+from test_context_parallel import assert_parity, logged
 from test_doc_mask import short_corpus  # noqa: F401 - the fixture
 
 pytestmark = pytest.mark.slow
-TAGS = ("train/loss", "train/grad_norm", "val/loss")
 # a linear layer (2 key heads each serving 2 value heads, key and value widths apart, chunks of 8 on rows of 32)
 # and a full one; 4 heads and key/value heads, which Ulysses splits over 4 ranks
 HYBRID = dict(arch="llama", n_head=4, attn_pattern="[linear,full]", linear_key_heads=2, linear_value_heads=4,
@@ -39,21 +39,10 @@ def hybrid_run(corpus, tmp_path_factory):
     return lambda name: launch_run(name, RUNS[name][0], **RUNS[name][1])
 
 
-def logged(run_dir) -> dict[str, dict[int, float]]:
-    return {tag: scalars(os.path.join(run_dir, "tb"), tag) for tag in TAGS}
-
-
-def assert_parity(reference: dict, got: dict) -> None:
-    for tag, values in reference.items():
-        assert sorted(got[tag]) == sorted(values), tag
-        for step, value in values.items():
-            assert got[tag][step] == pytest.approx(value, rel=1e-5), (tag, step)
-
-
 @pytest.mark.parametrize("name", [name for name in RUNS if name != "one"])
 def test_a_model_with_linear_layers_trains_at_every_layout_as_one_process(name, hybrid_run):
     one = logged(hybrid_run("one"))
-    assert_parity(one, logged(hybrid_run(name)))
+    assert_parity(one, logged(hybrid_run(name)), rel=1e-5)
     assert one["train/loss"][6] < one["train/loss"][1]  # it trained: the parity is not a model standing still
 
 
@@ -82,6 +71,6 @@ def test_doc_mask_over_context_ranks_is_one_process(short_corpus, tmp_path_facto
     runs = {name: launch_run(name, nproc, **extra) for name, (nproc, extra) in DOC_RUNS.items()}
     one = logged(runs["one"])
     for name in ("cp2", "ring4"):
-        assert_parity(one, logged(runs[name]))
+        assert_parity(one, logged(runs[name]), rel=1e-5)
     plain = launch_run("plain", 1, doc_mask=False)
     assert scalars(os.path.join(plain, "tb"), "val/loss")[0] != one["val/loss"][0]  # the documents matter
