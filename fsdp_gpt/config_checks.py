@@ -46,12 +46,15 @@ def validate_model(cfg: TrainConfig) -> None:
             f"n_kv_head={cfg.n_kv_head} must divide n_head={cfg.n_head} (each key/value head serves "
             f"n_head / n_kv_head query heads)")
     head_dim = cfg.head_dim or cfg.n_embd // cfg.n_head
-    require(cfg.family.positions != "rope" or head_dim % 2 == 0,
+    # checked where RoPE turns the heads: GPT-2's learned positions take any head_dim, and latent attention
+    # turns its own part of each head (qk_rope_head_dim, check_latent)
+    turns_heads = cfg.family.positions == "rope" and cfg.family.attention != "latent"
+    require(not turns_heads or head_dim % 2 == 0,
             f"head dimension {'n_embd / n_head = ' * (cfg.head_dim is None)}{head_dim} must be even for RoPE")
+    check_latent(cfg)
     require(cfg.rope_theta > 0, f"rope_theta must be positive, got {cfg.rope_theta}")
     factor = cfg.settled()["partial_rotary_factor"]
-    # checked where RoPE turns the heads: GPT-2's learned positions take any head_dim
-    require(cfg.family.positions != "rope" or (0 < factor <= 1 and int(head_dim * factor) % 2 == 0
+    require(not turns_heads or (0 < factor <= 1 and int(head_dim * factor) % 2 == 0
                                                and int(head_dim * factor) > 0),
             f"partial_rotary_factor={factor} must be in (0, 1] and rotate an even number of each head's {head_dim} "
             f"dimensions (RoPE turns them in pairs), not {int(head_dim * factor)}")
@@ -176,7 +179,19 @@ def check_moe(cfg: TrainConfig) -> None:
                f"moe_hidden must be positive (null: ffn_hidden / moe_top_k), moe_shared 0 or more: got {cfg.moe_hidden}, "
                f"{cfg.moe_shared}"),
               (0 <= cfg.moe_dense_layers < cfg.n_layer, f"moe_dense_layers must be 0 to n_layer - 1, got {cfg.moe_dense_layers}"),
-              (cfg.moe_score in MOE_SCORES, f"moe_score '{cfg.moe_score}' is not one of {', '.join(MOE_SCORES)}"),
+              ((cfg.moe_score or cfg.family.moe_score) in MOE_SCORES,
+               f"moe_score '{cfg.moe_score}' is not one of {', '.join(MOE_SCORES)}"),
+              (cfg.moe_scale > 0, f"moe_scale must be positive, got {cfg.moe_scale}"),
+              (cfg.moe_groups >= 1 and cfg.moe_experts % cfg.moe_groups == 0,
+               f"moe_groups={cfg.moe_groups} must divide moe_experts={cfg.moe_experts}: the groups hold equally many"),
+              (cfg.moe_groups == 1 or cfg.moe_experts // cfg.moe_groups >= 2,
+               f"moe_groups={cfg.moe_groups} leaves one expert a group: a group's score is its best two experts' "
+               f"(DeepSeek V3's), so each needs 2 or more"),
+              (1 <= cfg.moe_top_groups <= cfg.moe_groups,
+               f"moe_top_groups={cfg.moe_top_groups} must be 1 to moe_groups={cfg.moe_groups}"),
+              (cfg.moe_top_k <= cfg.moe_top_groups * (cfg.moe_experts // max(cfg.moe_groups, 1)),
+               f"moe_top_k={cfg.moe_top_k} is more experts than moe_top_groups={cfg.moe_top_groups} groups of "
+               f"{cfg.moe_experts // max(cfg.moe_groups, 1)} hold"),
               (cfg.moe_aux_loss >= 0 and cfg.moe_bias_rate >= 0, "moe_aux_loss and moe_bias_rate must be 0 (off) or more"),
               (cfg.cp_size == 1 or not cfg.moe_aux_loss, "moe_aux_loss with cp_size > 1 is not built (each rank would "
                "balance its slice of the rows): use moe_bias_rate"),
@@ -210,6 +225,20 @@ def check_linear(cfg: TrainConfig) -> None:
     require(linear[0] >= cfg.value_embeds,
             f"value_embeds={cfg.value_embeds} mixes token embeddings into attention's values, and layer "
             f"{linear[0]} is linear (attn_pattern {pattern}): value_embeds must stop before the first linear layer")
+
+
+def check_latent(cfg: TrainConfig) -> None:
+    """Multi-head latent attention's widths (the families whose attention is latent: DeepSeek's)."""
+    if cfg.family.attention != "latent":
+        return
+    for key in ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
+        require(getattr(cfg, key) > 0, f"config key '{key}' must be positive, got {getattr(cfg, key)}")
+    require(cfg.qk_rope_head_dim > 0 and cfg.qk_rope_head_dim % 2 == 0,
+            f"qk_rope_head_dim must be positive and even for RoPE, got {cfg.qk_rope_head_dim}")
+    require(cfg.q_lora_rank is None or cfg.q_lora_rank > 0,
+            f"q_lora_rank must be positive (null: one q projection), got {cfg.q_lora_rank}")
+    require(not cfg.value_embeds, f"value_embeds={cfg.value_embeds} mixes embeddings into multi-head attention's v; "
+                                  f"{cfg.family.name}'s attention makes v from its latent: set value_embeds: 0")
 
 
 def check_window(cfg: TrainConfig) -> None:

@@ -53,6 +53,8 @@ class Family:
     hf_transposed: tuple[str, ...] = ()  # ours its files hold transposed (GPT-2's Conv1D)
     hf_zero_biases: bool = False  # its class has a bias in every layer: zeros stand in where ours has none
     hf_limits: tuple = ()  # (key, holds(cfg), why): what its class computes otherwise, refused on export
+    # config.json -> a note each on what its folders hold that is not trained here (said at start-up, never read)
+    hf_unread: Callable = lambda config: ()
     # more of a block's structure, where a family differs from most (model.py reads each in one place)
     norms: str = "before"  # where a block's norms sit around each sublayer (model.NORM_PLACES): before, after or both
     qk_norm: bool = False  # q and k normalised where the qk_norm key is null
@@ -68,6 +70,9 @@ class Family:
     # from one, carry the prefix hf_wrapped[0] where the family's names begin with hf_wrapped[1]
     hf_wrappers: dict = field(default_factory=dict)
     hf_wrapped: tuple[str, str] | None = None
+    attention: str = "mha"  # model.ATTENTIONS: multi-head (grouped-query) attention, or DeepSeek's latent one
+    moe_score: str = "softmax"  # the router's scores where the moe_score key is null: softmax or sigmoid
+    moe_group_score: str = "top2"  # moe.GROUP_SCORES: what ranks a group of experts where moe_groups is set
 
 
 # the block's linears, by their names in model.DecoderBlock: a family with biases everywhere (GPT-2) lists them all

@@ -1,7 +1,8 @@
 """A decoder in plain PyTorch: no distributed code lives here.
 
-One attention, one block and one model build every family (families/): the entry names the
-norm, the positions (learned, as GPT-2's, or rotary, RoPE with the rotate_half convention), the MLP
+One block and one model build every family (families/): the entry names the attention (multi-head,
+or DeepSeek's latent one: latent_attention.py), the norm, the positions (learned, as GPT-2's, or
+rotary: rope.py), the MLP
 (tanh GELU, SwiGLU or GeGLU by default), the tying, the initialisation, and a block's structure
 where a family differs from most: which linears have biases, where the norms sit around each
 sublayer, q and k normalised per head or over the whole projection, which layers rotate q and k,
@@ -22,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 from fsdp_gpt.attention import Documents, causal_attention, sdpa_takes_gqa
 from fsdp_gpt.compat import autocast_dtype
 from fsdp_gpt.linear_attention import GatedDeltaNet, GatedRMSNorm, linear_start
+from fsdp_gpt.latent_attention import LatentAttention
 from fsdp_gpt.loss import chunked_cross_entropy, head_loss_chunk, per_position_cross_entropy
 from fsdp_gpt.model_keys import MLPS, ModelKeys
 from fsdp_gpt.moe import MoE
@@ -40,14 +42,19 @@ class GPTConfig(ModelKeys):
     @property
     def rotary_dim(self) -> int:
         """The dimensions of each head RoPE rotates, the first ones: partial_rotary_factor of head_dim, as
-        transformers rounds it (down)."""
-        return int(self.head_dim * self.partial_rotary_factor)
+        transformers rounds it (down), or latent attention's qk_rope_head_dim (head_widths)."""
+        return self.head_widths[2]
 
     @property
     def qkv_widths(self) -> list[int]:
         """The rows of q, k and v in attention's one matmul: n_head query heads (each with its output gate's
         rows after it, in a family whose attention is gated), n_kv_head key and value heads."""
         return [self.n_head * self.head_dim * (2 if self.family.attn_gate else 1)] + [self.n_kv_head * self.head_dim] * 2
+
+    @property
+    def head_widths(self) -> tuple[int, int, int]:
+        """A head's (q and k's width, v's, the part RoPE turns), as the family's attention lays it out."""
+        return HEAD_WIDTHS[self.family.attention](self)
 
 
 class OffsetRMSNorm(nn.Module):
@@ -157,6 +164,13 @@ class CausalSelfAttention(nn.Module):
         return (self.ln_q(q), self.ln_k(k)) if self.qk_norm_scope == scope else (q, k)
 
 
+# the attention of a block, by the family's `attention`: multi-head (grouped-query) or multi-head latent (DeepSeek's)
+ATTENTIONS = {"mha": CausalSelfAttention, "latent": LatentAttention}
+# a head's widths by the family's attention: (q and k's, v's, the part RoPE turns)
+HEAD_WIDTHS = {"mha": lambda cfg: (cfg.head_dim, cfg.head_dim, int(cfg.head_dim * cfg.partial_rotary_factor)),
+               "latent": lambda cfg: (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.qk_rope_head_dim)}
+
+
 def swiglu(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
@@ -193,7 +207,7 @@ class MLP(nn.Module):
 # the projections onto the residual stream, which init_weights scales by 1/sqrt(2 n_layer) (zero_init_proj: zero)
 RESIDUAL_PROJECTIONS = ("c_proj.weight", "experts.c_proj", "attn.out_proj.weight")
 # a block's token mixer, as attn_pattern names it: attention, or Gated DeltaNet's linear attention
-MIXERS = {"full": CausalSelfAttention, "linear": GatedDeltaNet}
+MIXERS = {"full": lambda cfg, layer: ATTENTIONS[cfg.family.attention](cfg, layer), "linear": GatedDeltaNet}
 
 
 class DecoderBlock(nn.Module):
@@ -350,8 +364,9 @@ class GPT(nn.Module):
         """Training FLOPs per token: forward + backward = 3x the forward's matmuls.
 
         Forward: 2 FLOPs per weight of every Linear (LM head included) and of each token's top-k
-        experts, plus the attention products QK^T and AV, 2 * 2 * T * n_embd per layer at full context:
-        T keys a query, the convention of PaLM's MFU and nanoGPT's (twice a causal layer's real work);
+        experts, plus the attention products QK^T and AV, 2 * T * heads * (q and k's head width + v's)
+        per layer at full context (2 * 2 * T * n_embd where heads x head_dim is n_embd): T keys a query,
+        the convention of PaLM's MFU and nanoGPT's (twice a causal layer's real work);
         a local layer counts its window instead of T (about its real work), so a windowed model's MFU
         reads low against a full one's at the same speed. A linear layer (Gated DeltaNet) counts its rule's
         and convolution's, linear in T (GatedDeltaNet.flops_per_row).
@@ -361,7 +376,8 @@ class GPT(nn.Module):
         matmul_weights += sum(m.top_k * m.expert_params() for m in self.moe_layers())
         keys = sum(min(cfg.window_of(layer) or cfg.block_size, cfg.block_size) for layer in range(cfg.n_layer)
                    if cfg.mixer_of(layer) == "full")
-        attention = 4 * keys * cfg.n_head * cfg.head_dim  # GQA or not; a local layer's queries see its window
+        qk, v, _ = cfg.head_widths
+        attention = 2 * keys * cfg.n_head * (qk + v)  # GQA or not; a local layer's queries see its window
         linear = sum(b.attn.flops_per_row(cfg.block_size) for b in self.blocks if isinstance(b.attn, GatedDeltaNet))
         return 3 * (2 * matmul_weights + attention) + linear / cfg.block_size
 

@@ -57,7 +57,8 @@ class ModelKeys:
     rope_scaling: dict | None = key(None, "RoPE frequency scaling, Llama 3.1's {rope_type: llama3, factor, "
                                           "low_freq_factor, high_freq_factor, original_max_position_embeddings} or "
                                           "YaRN's {rope_type: yarn, factor, original_max_position_embeddings, and "
-                                          "optionally beta_fast, beta_slow, attention_factor, truncate}; null: plain RoPE")
+                                          "optionally beta_fast, beta_slow, attention_factor, mscale and mscale_all_dim (DeepSeek's), "
+                                          "truncate}; null: plain RoPE")
     qk_norm: bool | None = key(None, "RMSNorm of each head's q and k; null: the family's (llama: off, on exports as "
                                      "Qwen3ForCausalLM; gemma3: on)")
     tie_embeddings: bool | None = key(None, "LM head shares the token embedding; null: the family's (true for gpt2, "
@@ -104,8 +105,24 @@ class ModelKeys:
     moe_hidden: int | None = key(None, "MoE: each expert's hidden width; null: ffn_hidden / moe_top_k")
     moe_shared: int = key(0, "MoE: shared experts that see every token (one MLP moe_shared x moe_hidden wide)")
     moe_dense_layers: int = key(0, "MoE: the first N blocks keep a dense MLP (DeepSeek-V3)")
-    moe_score: str = key("softmax", "MoE: the router's scores, softmax (Qwen3, OLMoE) or sigmoid (DeepSeek-V3)")
+    moe_score: str | None = key(None, "MoE: the router's scores, softmax (Qwen3, OLMoE) or sigmoid (DeepSeek-V3); "
+                                      "null: the family's (sigmoid for deepseek_v3, else softmax)")
     moe_norm_top_k: bool = key(True, "MoE: renormalise the chosen experts' weights to sum to 1")
+    moe_scale: float = key(1.0, "MoE: the routed experts' weights times this, after any renormalising (DeepSeek's "
+                                "routed_scaling_factor: V3's 2.5)")
+    moe_groups: int = key(1, "MoE: the experts in this many groups of consecutive ones, each token's top-k chosen "
+                             "within its moe_top_groups best groups (DeepSeek's n_group; 1: no groups)")
+    moe_top_groups: int = key(1, "MoE: the groups a token's experts are chosen from (DeepSeek's topk_group)")
+    # multi-head latent attention (DeepSeek's MLA: the families whose attention is latent, latent_attention.py)
+    q_lora_rank: int | None = key(None, "MLA: q made through a low rank, normed between its two matrices "
+                                        "(DeepSeek V3's 1536); null: one matrix (V2-Lite's, Moonlight's)")
+    kv_lora_rank: int = key(512, "MLA: the latent each token's k and v are made from, normed (one a token, shared "
+                                 "by the heads)")
+    qk_rope_head_dim: int = key(64, "MLA: the part of each head's q and k that RoPE turns, k's one for every head")
+    qk_nope_head_dim: int = key(128, "MLA: the part of each head's q and k without positions")
+    v_head_dim: int = key(128, "MLA: each head's v (and output) width")
+    rope_interleave: bool = key(True, "MLA: RoPE turns adjacent pairs of q and k, as DeepSeek's folders hold them; "
+                                      "false: the halves (rotate_half, Llama's)")
     moe_aux_loss: float = key(0.0, "MoE: the load-balancing loss's coefficient (Qwen3's router_aux_loss_coef; 0: "
                                    "off)", defines=False)
 
@@ -141,6 +158,7 @@ class ModelKeys:
                     tie_embeddings=family.tied if self.tie_embeddings is None else self.tie_embeddings,
                     partial_rotary_factor=family.partial_rotary if self.partial_rotary_factor is None else
                     self.partial_rotary_factor,
+                    moe_score=self.moe_score or family.moe_score,
                     # (a moe_top_k under 1 is refused by the checks, which read these values first)
                     moe_hidden=self.moe_hidden or max(ffn_hidden // max(self.moe_top_k, 1), 1))
 

@@ -102,10 +102,18 @@ def run_local(experts: GroupedExperts, x: torch.Tensor, counts: torch.Tensor) ->
     return experts(x, counts)
 
 
+# what ranks a group of experts for a token, from its experts' choice scores (..., groups, experts a group), by
+# the family's moe_group_score: the sum of its best two (DeepSeek V3's), or its best one (V2's)
+GROUP_SCORES = {"top2": lambda scores: scores.topk(2, dim=-1).values.sum(-1),
+                "best": lambda scores: scores.amax(-1)}
+
+
 class MoE(nn.Module):
     """The MLP of a DecoderBlock as a mixture: routed experts, optionally shared experts beside them
     (their output gated by a sigmoid of x where shared_gate is set: Qwen3.5-MoE's).
 
+    moe_groups: DeepSeek's grouped choice, a token's experts chosen within its moe_top_groups best
+    groups of consecutive experts. moe_scale: the chosen experts' weights times it (routed_scaling_factor).
     expert_bias: DeepSeek-V3's auxiliary-loss-free balancing, a per-expert bias added to the scores
     for the choice of experts only (the weights stay the scores'); a parameter without gradient that
     the training loop moves (optim/expert_balance.py), so checkpoints keep and reshard it as any other.
@@ -115,6 +123,8 @@ class MoE(nn.Module):
     def __init__(self, cfg, activation, shared: nn.Module | None = None, shared_gate: bool = False):
         super().__init__()
         self.n_experts, self.top_k, self.score, self.norm_top_k = cfg.moe_experts, cfg.moe_top_k, cfg.moe_score, cfg.moe_norm_top_k
+        self.groups, self.top_groups, self.scale = cfg.moe_groups, cfg.moe_top_groups, cfg.moe_scale
+        self.group_score = GROUP_SCORES[cfg.family.moe_group_score]
         self.router = nn.Linear(cfg.n_embd, cfg.moe_experts, bias=False)
         self.experts = GroupedExperts(cfg.moe_experts, cfg.n_embd, cfg.moe_hidden, activation)
         self.shared = shared
@@ -133,11 +143,22 @@ class MoE(nn.Module):
         score (N, experts). In fp32: a bf16 router flips near-ties between experts."""
         scores = self.router(x).float()
         scores = scores.softmax(-1) if self.score == "softmax" else scores.sigmoid()
-        chosen = torch.topk(scores + self.expert_bias.float(), self.top_k, dim=-1).indices
+        choice = scores + self.expert_bias.float()
+        if self.groups > 1:
+            choice = self.within_best_groups(choice)
+        chosen = torch.topk(choice, self.top_k, dim=-1).indices
         weights = scores.gather(-1, chosen)
         if self.norm_top_k:
             weights = weights / weights.sum(-1, keepdim=True)
-        return chosen, weights, scores
+        return chosen, weights * self.scale, scores
+
+    def within_best_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """The choice scores (N, experts) with every expert outside each token's moe_top_groups best
+        groups at -inf: top-k takes none of them."""
+        grouped = choice.unflatten(-1, (self.groups, -1))
+        best = self.group_score(grouped).topk(self.top_groups, dim=-1).indices
+        kept = torch.zeros(grouped.shape[:-1], dtype=torch.bool, device=choice.device).scatter_(-1, best, True)
+        return grouped.masked_fill(~kept.unsqueeze(-1), float("-inf")).flatten(-2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape

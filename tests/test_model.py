@@ -130,6 +130,8 @@ def test_under_autocast_attention_takes_q_k_v_in_one_dtype():
 RULE_BASE = dict(arch="llama", vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32)
 MOE = dict(moe_experts=4)
 LINEAR = dict(attn_pattern=["linear", "full"])
+LATENT = dict(arch="deepseek_v3", kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8)
+GROUPS = LATENT | dict(moe_experts=8, moe_groups=4)  # 4 groups of 2, a token's 2 experts from its best group
 CHANGED = {  # key: (another value, the keys it needs beside it)
     "arch": ("gpt2", {}), "vocab_size": (128, {}), "block_size": (32, dict(arch="gpt2")), "n_layer": (3, {}),
     "n_head": (2, {}), "n_embd": (64, {}), "dropout": (0.5, {}), "bias": (False, dict(arch="gpt2")),
@@ -149,6 +151,10 @@ CHANGED = {  # key: (another value, the keys it needs beside it)
     # a chunk past the row's 16 tokens sums alike; a shorter one differs by rounding alone (how, not what:
     # tests/test_linear_attention.py holds chunks of 16 and 64 to transformers' layer within 1e-5)
     "linear_chunk": (32, LINEAR),
+    "moe_scale": (2.5, LATENT | MOE), "moe_groups": (2, LATENT | MOE),
+    "moe_top_groups": (2, GROUPS), "q_lora_rank": (8, LATENT), "kv_lora_rank": (12, LATENT),
+    "qk_rope_head_dim": (8, LATENT), "qk_nope_head_dim": (8, LATENT), "v_head_dim": (4, LATENT),
+    "rope_interleave": (False, LATENT),
 }
 
 
