@@ -102,8 +102,9 @@ def test_each_family_builds_what_its_entry_says(model):
     if cfg.qk_norm:  # each head's width or the whole projection's
         assert (block.attn.ln_q.weight.numel(), block.attn.ln_k.weight.numel()) == QK_NORM_WIDTHS[family.qk_norm_scope](cfg)
     assert mlp.activation is ACTIVATIONS[options.get("mlp", family.mlp)]
-    assert block.attn.c_attn.out_features == sum(cfg.qkv_widths) == (1 + family.attn_gate) * cfg.n_head * cfg.head_dim \
-        + 2 * cfg.n_kv_head * cfg.head_dim  # a gated family's gate rows beside the queries'
+    # a gated family's gate rows beside the queries' (a latent attention has no c_attn)
+    assert family.attention != "mha" or block.attn.c_attn.out_features == sum(cfg.qkv_widths) == (
+        (1 + family.attn_gate) * cfg.n_head * cfg.head_dim + 2 * cfg.n_kv_head * cfg.head_dim)
     if isinstance(block.mlp, MoE):
         assert (block.mlp.shared_gate is not None) == family.shared_expert_gate
     assert gpt.wte.weight.std().item() == pytest.approx(family.init_std, rel=0.05)
@@ -292,8 +293,9 @@ def test_a_window_no_layer_slides_is_not_exported(arch, tmp_path):
         assert torch.allclose(hf_model(cfg, ours.state_dict())(idx).logits, ours(idx)[0], rtol=1e-4, atol=1e-4)
 
 
-# Llama's folder and its refinements': GPT-2's, Gemma 3's and Qwen3-MoE's folders need keys it lacks
-@pytest.mark.parametrize("family", [f for f in FAMILIES if f.arch not in ("gpt2", "gemma3") and "moe_experts" not in f.when],
+# Llama's folder and its refinements': GPT-2's, Gemma 3's, Qwen3-MoE's and DeepSeek's folders need keys it lacks
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f.arch not in ("gpt2", "gemma3") and "moe_experts" not in f.when
+                                    and f.attention == "mha"],
                          ids=lambda family: family.name)
 def test_a_folder_silent_on_a_key_reads_as_its_class_does(family, tmp_path):
     """config.json without rms_norm_eps, the RoPE base, the window or the tying: each is what the
