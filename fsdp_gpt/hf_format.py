@@ -19,6 +19,7 @@ from fsdp_gpt.families import FAMILIES
 from fsdp_gpt.families.unbuilt import BUILT_MIXERS, UNBUILT_CLASSES
 from fsdp_gpt.family_parts import Absent, Family, Rows
 from fsdp_gpt.files import read_json
+from fsdp_gpt.hf_quantized import full_precision, quantization_note
 from fsdp_gpt.model import GPT, GPTConfig
 from fsdp_gpt.safetensors_file import read_safetensors
 
@@ -151,17 +152,20 @@ def define_model(cfg) -> list[str]:
     """init_from: the folder's config.json sets every model key of cfg. A key the config file or the
     command line gave (cfg.given), null included, that contradicts the folder is refused, naming both
     values, but for the context keys its family lets a resume change (Family.resumable: a window,
-    RoPE's base or scaling; no weight changes), which change as on a resume: the note returned says
-    how. A null that settles to the folder's value (n_kv_head: null beside a folder without grouped
-    heads) contradicts nothing. A key the folder leaves unset is refused where the folder's class
-    computes without it (a soft cap, value embeddings: hf_refusal, the export's own test). The run's
-    tokenizer is the folder's unless one is named; block_size stays the config's, past the folder's
-    positions only with a rotary layout (said in the note). Then the checks that read the model's keys
-    run (the config's others were checked when it was read): a refusal that names a key the folder
-    set says it is the folder's. The notes returned say what changed and, for a multimodal folder,
-    which part of it trains."""
+    RoPE's base or scaling; no weight changes), which change as on a resume. The notes returned say
+    what changes, what the folder holds that is not trained here (Family.hf_unread: never read) and
+    how quantized weights are read. A null that settles to the folder's value (n_kv_head: null beside
+    a folder without grouped heads) contradicts nothing. A key the folder leaves unset is refused where
+    the folder's class computes without it (a soft cap, value embeddings: hf_refusal, the export's own
+    test). The run's tokenizer is the folder's unless one is named; block_size stays the config's, past
+    the folder's positions only with a rotary layout (said in a note). Then the checks that read the
+    model's keys run (the config's others were checked when it was read): a refusal that names a key
+    the folder set says it is the folder's; for a multimodal folder, a note says which part of it trains."""
     keys, longest = hf_model_keys(cfg.init_from)
-    family, changes, changed = GPTConfig(**keys).family, [], set()
+    found = read_folder_config(cfg.init_from)
+    family = found.family
+    notes = [*family.hf_unread(found.config), quantization_note(found.config, f"init_from: {cfg.init_from}/")]
+    changes, changed = [], set()
     for key, value in keys.items():
         mine = getattr(cfg, key)
         if key in cfg.given and _settled(keys, key, mine) != _settled(keys, key, value):
@@ -187,14 +191,15 @@ def define_model(cfg) -> list[str]:
         key, why = refused
         raise UserError(f"init_from {cfg.init_from} holds a {family.hf_class}: {why}, so the run would train another "
                         f"model than the folder's: drop {key} from the config and the command line")
-    notes = [f"the context changes from init_from {cfg.init_from}: {', '.join(changes)}; the weights are the "
-             f"folder's"] if changes else []
-    if (found := read_folder_config(cfg.init_from)).wrapper:
+    if changes:
+        notes.append(f"the context changes from init_from {cfg.init_from}: {', '.join(changes)}; the weights are the "
+                     f"folder's")
+    if found.wrapper:
         notes.append(f"init_from {cfg.init_from} holds a {found.wrapper}: its language model ({found.key}) trains, as "
                      f"a {family.hf_class}; the rest ({', '.join(found.beside) or 'its other weights'}) is left in the "
                      f"folder as it is (export_hf.py --whole_folder writes the folder back with the trained language "
                      f"model)")
-    return notes
+    return [note for note in notes if note]
 
 
 class Folder(NamedTuple):
@@ -275,7 +280,8 @@ def read_hf_folder(folder: str) -> tuple[dict, dict]:
     the file and what is wrong."""
     keys = _config_keys(folder)
     cfg = GPTConfig(**keys)
-    tensors = per_expert(unwrapped(read_safetensors(folder), cfg.family))
+    tensors = per_expert(full_precision(unwrapped(read_safetensors(folder), cfg.family), read_folder_config(folder).config,
+                                        f"init_from: {folder}/"))
     with torch.device("meta"):
         expected = GPT(cfg).state_dict()
     state = {}

@@ -1,5 +1,6 @@
 """Reading safetensors files (a Hugging Face folder's weights) without the safetensors library:
-every tensor as fp32, a damaged or truncated file refused in one line that names it."""
+every tensor as fp32 (a float8 one as it is: hf_quantized.py reads it by its scales), a damaged or
+truncated file refused in one line that names it."""
 import json
 import math
 import os
@@ -10,10 +11,13 @@ from fsdp_gpt.config import UserError
 from fsdp_gpt.files import read_json
 
 SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+# quantized weights and their scales, kept in their dtype (never read as if they were full precision)
+FLOAT8_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F8_E8M0": torch.float8_e8m0fnu}
 
 
 def read_safetensors(folder: str) -> dict:
-    """Every tensor of model.safetensors, or of the files model.safetensors.index.json names, as fp32."""
+    """Every tensor of model.safetensors, or of the files model.safetensors.index.json names, as fp32
+    (float8 ones in their dtype)."""
     index = os.path.join(folder, "model.safetensors.index.json")
     if os.path.isfile(index):
         weight_map = read_json(index, "init_from: the folder is damaged: download the model again",
@@ -56,9 +60,11 @@ def _read_safetensors_file(path: str) -> dict:
                 dtype, shape, (start, end) = meta["dtype"], meta["shape"], meta["data_offsets"]
             except (KeyError, TypeError, ValueError):
                 raise refuse(f"tensor {key}'s header entry lacks dtype, shape or data_offsets")
-            if dtype not in SAFETENSORS_DTYPES:
-                raise refuse(f"tensor {key} is {dtype}; F32, F16 and BF16 are read")
-            needed = math.prod(shape) * SAFETENSORS_DTYPES[dtype].itemsize
+            if dtype not in SAFETENSORS_DTYPES | FLOAT8_DTYPES:
+                raise refuse(f"tensor {key} is {dtype}; F32, F16, BF16 and (with their scales) {', '.join(FLOAT8_DTYPES)} "
+                             f"are read")
+            as_stored = (SAFETENSORS_DTYPES | FLOAT8_DTYPES)[dtype]
+            needed = math.prod(shape) * as_stored.itemsize
             if not 0 <= start <= end <= data_size:
                 raise refuse(f"tensor {key} lies at data bytes {start:,}..{end:,}, past the data's end ({data_size:,} "
                              f"bytes): a truncated download? fetch it again")
@@ -67,5 +73,6 @@ def _read_safetensors_file(path: str) -> dict:
             f.seek(8 + header_size + start)  # one tensor in memory at a time, besides the fp32 copies
             raw = torch.frombuffer(bytearray(f.read(needed)), dtype=torch.uint8) if needed else \
                 torch.empty(0, dtype=torch.uint8)
-            tensors[key] = raw.view(SAFETENSORS_DTYPES[dtype]).reshape(shape).float()
+            tensor = raw.view(as_stored).reshape(shape)
+            tensors[key] = tensor if dtype in FLOAT8_DTYPES else tensor.float()
     return tensors

@@ -12,7 +12,7 @@ from fsdp_gpt.config_checks import archs_taking, validate
 from fsdp_gpt.families import FAMILIES
 from fsdp_gpt.hf_format import fused_like, hf_config, hf_model_keys, read_hf_folder, their_weight, to_hf
 from fsdp_gpt.family_parts import ALL_BIASES, ONE_WINDOW
-from fsdp_gpt.model import ACTIVATIONS, GPT, MIXERS, NORM_PLACES, NORMS, QK_NORM_WIDTHS, CausalSelfAttention, GPTConfig
+from fsdp_gpt.model import ACTIVATIONS, ATTENTIONS, GPT, MIXERS, NORM_PLACES, NORMS, QK_NORM_WIDTHS, GPTConfig
 from fsdp_gpt.moe import MoE
 
 SMALL = dict(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=64)
@@ -55,6 +55,24 @@ MODELS = {
     "qwen3_5_moe": ("Qwen3.5-MoE", dict(arch="qwen3_5", n_kv_head=2, moe_experts=4, moe_top_k=2, moe_hidden=32,
                                        moe_shared=1, tie_embeddings=True, attn_pattern=["linear", "full"],
                                        linear_key_heads=2, linear_value_heads=4, linear_key_dim=16)),
+    # DeepSeek V3's layout: q through a low rank, RoPE by pairs with YaRN (its attention factor and, in the
+    # scale, mscale over mscale_all_dim), a dense first layer, 8 experts in 4 groups (top 2 groups, top 2
+    # experts) beside a shared one, the weights renormalised and scaled; v's head unlike q and k's
+    "deepseek_v3": ("DeepSeek V3", dict(arch="deepseek_v3", q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
+                                        qk_nope_head_dim=16, v_head_dim=12, moe_experts=8, moe_top_k=2, moe_hidden=16,
+                                        moe_shared=1, moe_dense_layers=1, moe_groups=4, moe_top_groups=2, moe_scale=2.5,
+                                        rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=8,
+                                                          mscale=1.0, mscale_all_dim=0.8))),
+    # Moonlight's kind: one q matrix, no groups, RoPE by halves, a v head wider than q and k's, tied
+    "moonlight": ("DeepSeek V3", dict(arch="deepseek_v3", kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                                      v_head_dim=24, rope_interleave=False, moe_experts=4, moe_top_k=2, moe_hidden=16,
+                                      moe_shared=2, moe_dense_layers=1, moe_scale=2.446, tie_embeddings=True)),
+    # V2-Lite's: softmax scores as they are, YaRN's mscale both ways (attention factor 1), V2's grouped choice
+    "deepseek_v2": ("DeepSeek-V2", dict(arch="deepseek_v2", kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16,
+                                        v_head_dim=16, moe_experts=8, moe_top_k=3, moe_hidden=16, moe_shared=2,
+                                        moe_dense_layers=1, moe_norm_top_k=False, moe_groups=4, moe_top_groups=2,
+                                        rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=8,
+                                                          mscale=0.707, mscale_all_dim=0.707))),
 }
 
 
@@ -88,13 +106,15 @@ def test_each_family_builds_what_its_entry_says(model):
     assert type(gpt.ln_f) is type(NORMS[family.norm](cfg, 8))
     assert hasattr(gpt, "wpe") == (family.positions == "learned")
     assert (gpt.lm_head.weight is gpt.wte.weight) == options.get("tie_embeddings", family.tied)
-    assert [type(block.attn) for block in gpt.blocks] == [MIXERS[cfg.mixer_of(i)] for i in range(cfg.n_layer)]
-    block = next(block for block in gpt.blocks if isinstance(block.attn, CausalSelfAttention))  # its structure, the entry's
+    assert [type(block.attn) for block in gpt.blocks] == [
+        ATTENTIONS[family.attention] if cfg.mixer_of(i) == "full" else MIXERS[cfg.mixer_of(i)] for i in range(cfg.n_layer)]
+    block = next(block for block in gpt.blocks if isinstance(block.attn, ATTENTIONS[family.attention]))  # the entry's
     mlp = block.mlp.shared if isinstance(block.mlp, MoE) else block.mlp  # a mixture's dense MLP: its shared experts
-    for linear in ALL_BIASES:
+    for linear in ALL_BIASES if family.attention == "mha" else ():  # a latent attention's linears have none
         owner, name = linear.split(".")
         assert (getattr(mlp if owner == "mlp" else block.attn, name).bias is not None) == (linear in family.biases and
                                                                                              cfg.bias), linear
+    assert all(m.bias is None for m in block.attn.modules() if isinstance(m, torch.nn.Linear)) or family.attention == "mha"
     before, after = NORM_PLACES[family.norms]
     assert [type(getattr(block, name)) is not torch.nn.Identity for name in ("ln_1", "ln_2", "ln_attn_out", "ln_mlp_out")
             ] == [before, before, after, after]

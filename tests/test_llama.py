@@ -144,8 +144,12 @@ DAMAGES = {  # name: (damage(folder), what the line says)
         data_offsets=[10 ** 8, 10 ** 8 + 256])), "tensor model.norm.weight lies at data bytes 100,000,000"),
     "missing tensor": (lambda d: damage_header(d / "model.safetensors", lambda h: h.pop("model.layers.1.mlp.up_proj.weight")),
                        "has no tensor 'model.layers.1.mlp.up_proj.weight'"),
-    "unknown dtype": (lambda d: damage_header(d / "model.safetensors", lambda h: h["model.norm.weight"].update(dtype="F8_E4M3")),
-                      "tensor model.norm.weight is F8_E4M3; F32, F16 and BF16 are read"),
+    "unknown dtype": (lambda d: damage_header(d / "model.safetensors", lambda h: h["model.norm.weight"].update(dtype="I32")),
+                      "tensor model.norm.weight is I32; F32, F16, BF16 and (with their scales) F8_E4M3"),
+    # a float8 weight beside no scales, in a folder whose config.json says nothing of a quantization
+    "float8 without scales": (lambda d: damage_header(d / "model.safetensors", lambda h: h["model.norm.weight"].update(
+        dtype="F8_E4M3", shape=[256])), "model.norm.weight is float8_e4m3fn with no model.norm.weight_scale_inv beside "
+                                        "it (config.json's quantization_config: None): not read as if it were full"),
     "config.json not JSON": (lambda d: (d / "config.json").write_text("{'vocab_size': 256,"), "config.json is not JSON"),
     "index not JSON": (lambda d: (d / "model.safetensors.index.json").write_text('{"weight_map": {'),
                        "model.safetensors.index.json is not JSON"),

@@ -105,15 +105,15 @@ def v2_config(cfg, eot: int | None) -> dict:
 
 
 def multi_token_prediction(config: dict) -> tuple[str, ...]:
-    """The note on a folder's multi-token-prediction layers (DeepSeek V3's one), which its files hold as
-    the layers after num_hidden_layers: the reader never reads them, the export writes none."""
+    """The note on the multi-token-prediction layers a config.json names (DeepSeek V3's one), which the
+    Hub's files hold as the layers after num_hidden_layers: never read here, none written on export."""
     extra = config.get("num_nextn_predict_layers") or 0
     if not extra:
         return ()
     first = config["num_hidden_layers"]
-    layers = f"model.layers.{first}" + (f"-{first + extra - 1}" if extra > 1 else "")
-    return (f"its {extra} multi-token-prediction layer{'s' * (extra > 1)} (num_nextn_predict_layers: {extra}; {layers} "
-            f"in its files) {'are' if extra > 1 else 'is'} not trained here: skipped, and an export holds none",)
+    layers = f"model.layers.{first}" + (f" to {first + extra - 1}" if extra > 1 else "")
+    return (f"config.json names {extra} multi-token-prediction layer{'s' * (extra > 1)} (num_nextn_predict_layers: "
+            f"{extra}; {layers} in the Hub's files): not trained here, so never read, and an export names none",)
 
 
 # a block's names in both classes' folders (the experts one matrix each, as the Hub holds them)
