@@ -418,6 +418,20 @@ FOLDERS = {
                                                            num_experts_per_tok=2, moe_intermediate_size=32,
                                                            shared_expert_intermediate_size=32), "qwen3_5",
                     "Qwen3_5Tokenizer"),
+    # DeepSeek V3's kind (Moonlight's, Kimi K2's): q through a low rank, RoPE by pairs with YaRN (mscale in the
+    # scale), a dense first layer, 8 experts in 4 groups beside a shared one; its folders' tokenizer class names
+    # Llama's over a byte-level tokenizer.json (transformers 5 loads it as the file says)
+    "deepseek_v3": ("DeepseekV3ForCausalLM", dict(
+        num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
+        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
+        n_group=4, topk_group=2, routed_scaling_factor=2.5, num_nextn_predict_layers=0, pad_token_id=None,
+        rope_scaling=dict(type="yarn", factor=4.0, original_max_position_embeddings=64, mscale=1.0, mscale_all_dim=1.0)),
+        "bytelevel", "LlamaTokenizerFast"),
+    # DeepSeek-V2-Lite's: one q matrix, softmax scores as they are, two shared experts
+    "deepseek_v2": ("DeepseekV2ForCausalLM", dict(
+        num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+        n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, n_shared_experts=2, first_k_dense_replace=1,
+        topk_method="greedy", norm_topk_prob=False, pad_token_id=None), "bytelevel", "LlamaTokenizerFast"),
 }
 
 
@@ -445,9 +459,10 @@ def family_folder(tmp_path_factory, name: str, inside: tuple[str, dict, dict] | 
             text_config=text, tie_word_embeddings=text.get("tie_word_embeddings", False), **others)
         torch.manual_seed(0)
         model = getattr(transformers, architecture)(config)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(torch.randn_like(p) * 0.05)
+        with torch.no_grad():  # the buffers a folder holds too (DeepSeek V3's selection bias)
+            for name, p in [*model.named_parameters(), *model.named_buffers()]:
+                if name in model.state_dict():
+                    p.add_(torch.randn_like(p) * 0.05)
         model.save_pretrained(folder)
         family_tokenizer(folder, kind, tokenizer_class)
         for file, content in files.items():

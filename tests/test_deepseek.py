@@ -335,3 +335,67 @@ def test_flops_count_the_latent_heads_own_widths():
     experts = sum(m.top_k * m.expert_params() for m in model.moe_layers())
     assert model.flops_per_token() == 3 * (2 * (linears + experts) + 2 * 2 * 32 * 4 * (24 + 12))
     assert math.isclose(latent_scale(model.config), 24 ** -0.5)
+
+
+# --- trained runs: each family over ranks against one process -----------------------------------------
+
+# 4 steps of 24 rows, checkpoints at 2 and 4. DeepSeek V3's kind under Muon, its choice balanced by the
+# selection bias alone, documents (doc_mask) and a local layer: every attention path of MLA's and context
+# parallelism's; V2's kind under AdamW with the balancing loss, on whole rows
+TRAINED = dict(n_layer=2, n_head=4, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12, moe_experts=8,
+               moe_top_k=2, moe_hidden=16, moe_dense_layers=1, train_batch=24, max_iters=4, save_interval=2,
+               eval_interval=2)
+FAMILY_RUNS = {
+    "deepseek_v3": dict(arch="deepseek_v3", q_lora_rank=16, moe_shared=1, moe_groups=4, moe_top_groups=2, moe_scale=2.5,
+                        moe_bias_rate=0.001, doc_mask=True, sliding_window=8, window_pattern=["global", "local"],
+                        optimizer="muon"),
+    "deepseek_v2": dict(arch="deepseek_v2", moe_shared=2, moe_norm_top_k=False, moe_aux_loss=0.01),
+}
+LAYOUTS = {"one": (1, dict(checkpoint_type="full")), "ep2": (2, dict(ep_size=2, checkpoint_type="sharded")),
+           "ep4": (4, dict(ep_size=4)), "ulysses": (2, dict(cp_size=2)), "ring": (2, dict(cp_size=2, cp_mode="ring"))}
+TAGS = ("train/loss", "train/grad_norm", "val/loss", "moe/layer1/busiest")
+
+
+@pytest.fixture(scope="module")
+def family_runs(corpus, tmp_path_factory):
+    from conftest import launcher_once
+    launch = launcher_once(tmp_path_factory, "deepseek", **TRAINED, **corpus)
+    return lambda family, name: launch(f"{family}_{name}", LAYOUTS[name][0], **FAMILY_RUNS[family] | LAYOUTS[name][1])
+
+
+def logged(run_dir) -> dict:
+    from conftest import scalars
+    return {tag: scalars(f"{run_dir}/tb", tag) for tag in TAGS}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, layout", [("deepseek_v3", "ep2"), ("deepseek_v3", "ep4"), ("deepseek_v3", "ulysses"),
+                                            ("deepseek_v3", "ring"), ("deepseek_v2", "ep2"), ("deepseek_v2", "ep4")])
+def test_n_ranks_train_the_run_of_one_process(family, layout, family_runs):
+    """Experts over 2 and 4 ranks (4 and 2 a rank), and rows over 2 (Ulysses' heads, the ring's blocks and
+    its window's tiles, with documents): the losses, the gradient norm and the experts' loads of one process."""
+    from conftest import assert_quiet, stderr_of
+    reference, got = logged(family_runs(family, "one")), logged(family_runs(family, layout))
+    for tag, values in reference.items():
+        assert sorted(got[tag]) == sorted(values) and values, tag
+        for step, value in values.items():
+            assert got[tag][step] == pytest.approx(value, rel=1e-5), (tag, step)
+    assert reference["train/loss"][4] < reference["train/loss"][1] - 0.2  # it trains
+    assert_quiet(stderr_of(family_runs(family, layout)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILY_RUNS)
+def test_an_expert_parallel_checkpoint_resumes_bitwise_and_on_one_process(family, family_runs, corpus, tmp_path):
+    """ep_size 2's sharded set at step 2: on its own layout bit for bit, on one process within 1e-4."""
+    from conftest import checkpoint_of, run_trainer, scalars
+    original = family_runs(family, "ep2")
+    expected = scalars(f"{original}/tb", "train/loss")
+    for name, nproc, ep_size in (("same", 2, 2), ("one", 1, 1)):
+        (tmp_path / name).mkdir()
+        run_trainer(str(tmp_path / name), nproc=nproc, resume_from=checkpoint_of(original, "sharded", 2, rank=0),
+                    **TRAINED | corpus | FAMILY_RUNS[family] | dict(ep_size=ep_size, checkpoint_type="sharded"))
+        got = scalars(str(tmp_path / name / "tb"), "train/loss")
+        assert sorted(got) == [3, 4]
+        for step in got:
+            assert (got[step] == expected[step]) if name == "same" else got[step] == pytest.approx(expected[step], rel=1e-4)

@@ -11,7 +11,7 @@ from fsdp_gpt.config import TrainConfig, UserError
 from fsdp_gpt.config_checks import archs_taking, validate
 from fsdp_gpt.families import FAMILIES
 from fsdp_gpt.hf_format import fused_like, hf_config, hf_model_keys, read_hf_folder, their_weight, to_hf
-from fsdp_gpt.family_parts import ALL_BIASES, ONE_WINDOW
+from fsdp_gpt.family_parts import ALL_BIASES, ONE_WINDOW, Absent
 from fsdp_gpt.model import ACTIVATIONS, ATTENTIONS, GPT, MIXERS, NORM_PLACES, NORMS, QK_NORM_WIDTHS, GPTConfig
 from fsdp_gpt.moe import MoE
 
@@ -90,9 +90,11 @@ def hf_model(cfg: GPTConfig, state: dict):
 def trained(cfg: GPTConfig) -> GPT:
     torch.manual_seed(0)
     model = GPT(cfg).eval()
+    # an MoE's selection bias where the class has a place for it (DeepSeek V3's e_score_correction_bias)
+    bias_kept = not isinstance(cfg.family.hf_names.get("mlp.expert_bias", Absent("")), Absent)
     with torch.no_grad():  # norms and biases away from their initial ones and zeros
-        for p in model.parameters():
-            if p.requires_grad:  # not an MoE's selection bias, which Hugging Face's models lack
+        for name, p in model.named_parameters():
+            if p.requires_grad or (bias_kept and name.endswith("mlp.expert_bias")):
                 p.add_(torch.randn_like(p) * 0.05)
     return model
 
