@@ -4,11 +4,11 @@ activation memory and tokens a second.
 
     python bench/latent_attention.py [--row 4096] [--width 512] [--heads 8] [--pairs 3]
 
-Grouped-query attention: `--heads` heads of width / heads over a key/value head per four (Llama's and
-Qwen's kind). MLA at DeepSeek-V2-Lite's proportions (its 2,048 wide, 16 heads: a latent of 512, q and k
-heads of 128 + 64 turned, v heads of 128), scaled to the width: one q matrix (V2-Lite's, Moonlight's),
-and q through a low rank of 3/4 the width (DeepSeek V3's 1,536 of 7,168 is about 1/5; the rank here
-keeps its two matrices as large as one q projection). Each case in a process of its own
+Grouped-query attention: `--heads` heads of d = width / heads over a key/value head per four (Llama's
+and Qwen's kind). MLA at DeepSeek-V2-Lite's proportions (2,048 wide, 16 heads of d = 128: a latent of
+width / 4 = 512, q and k heads of d + d/2 turned by RoPE, v heads of d), at the same width and heads: one
+q matrix (V2-Lite's, Moonlight's), and q through a low rank of width / 2 (DeepSeek V3's: 1,536 of
+7,168, with 128 heads of 128 + 64). Each case in a process of its own
 (bench/peak_step.py), the cases in turn, `--pairs` times: each line's figures are the medians, the
 ratios the median of each round's ratio to grouped-query attention's. Peak: the process's peak RSS
 during the timed steps minus its RSS before them (what the step's activations and gradients take).
@@ -28,11 +28,11 @@ from peak_step import in_own_process, peak_and_time  # noqa: E402
 def configs(args) -> dict:
     """name -> the model keys of its layer."""
     head = args.width // args.heads
-    mla = dict(arch="deepseek_v3", kv_lora_rank=args.width // 4, qk_nope_head_dim=2 * head, qk_rope_head_dim=head,
-               v_head_dim=2 * head, moe_experts=0, rope_interleave=True)
+    mla = dict(arch="deepseek_v3", kv_lora_rank=args.width // 4, qk_nope_head_dim=head, qk_rope_head_dim=head // 2,
+               v_head_dim=head, moe_experts=0)
     return {"grouped-query": dict(arch="llama", n_kv_head=args.heads // 4),
             "MLA": mla,
-            "MLA, q through a low rank": mla | dict(q_lora_rank=3 * args.width // 4)}
+            "MLA, q through a low rank": mla | dict(q_lora_rank=args.width // 2)}
 
 
 def layer_of(args, name: str):

@@ -31,6 +31,7 @@ NORM_PLACES = {"before": "before each sublayer", "after": "after each sublayer (
 POSITIONS = {"learned": "learned positions", "rope": "RoPE"}
 MLPS = {"gelu": "tanh-GELU MLP", "swiglu": "SwiGLU", "geglu": "GeGLU", "relu2": "ReLU² MLP"}
 QK_NORM_SCOPES = {"head": "per head", "projection": "over their whole projections"}
+ATTENTIONS = {"latent": "multi-head latent attention"}  # multi-head (grouped-query) attention goes unsaid
 
 
 def _word(words: dict, value) -> str:
@@ -50,7 +51,12 @@ def layout(family: Family) -> str:
         parts.append(f"layers by `[{', '.join(family.attn_pattern)}]`, repeated (linear: Gated DeltaNet)")
     if family.attn_gate:
         parts.append("attention's output gated (a sigmoid of its own rows of `c_attn`)")
-    parts += [positions, _word(MLPS, family.mlp)]
+    parts.append(positions)
+    if family.attention != "mha":
+        parts.append(_word(ATTENTIONS, family.attention))
+    parts.append(_word(MLPS, family.mlp))
+    if family.moe_score != "softmax":  # where moe_experts is set
+        parts.append(f"experts scored by {family.moe_score}")
     if family.shared_expert_gate:
         parts.append("the shared experts' output gated (a sigmoid of one linear of x)")
     if family.qk_norm:
