@@ -1,5 +1,6 @@
 """Attention's core for the model (no distributed code): causal over whole rows, or over the
-documents inside them (doc_mask), in full or within a sliding window; and which grouped-query
+documents inside them (doc_mask), in full or within a sliding window, with each head's sink in every
+row's softmax where the model has sinks (gpt-oss: attention_kernels.py); and which grouped-query
 attention SDPA runs without a T x T matrix. Context parallelism swaps the core from outside
 (distributed/context_parallel.py).
 
@@ -14,6 +15,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from fsdp_gpt.attention_kernels import SinkAttention, sink_gradient, sink_merged
 from fsdp_gpt.compat import flash_takes_window
 
 
@@ -114,23 +116,32 @@ class Documents:
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, enable_gqa: bool,
-                     docs: Documents | None = None, window: int | None = None,
-                     scale: float | None = None) -> torch.Tensor:
+                     docs: Documents | None = None, window: int | None = None, scale: float | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention's core: q (B, heads, T, head_dim), k and v (B, kv heads, T, head_dim) -> like q.
     docs: where documents lie in these rows, or None: each row is one sequence. window: each
     query's keys, itself and the window - 1 before it (None: every earlier key); scale: the scores'
-    factor (None: 1/sqrt(head_dim)). SDPA picks the flash or memory-efficient kernel on GPU, a fused
-    flash kernel on CPU."""
+    factor (None: 1/sqrt(head_dim)); sinks: each head's sink logit (heads,), or None. SDPA picks the
+    flash or memory-efficient kernel on GPU, a fused flash kernel on CPU (with sinks: attention_kernels')."""
     if docs is not None:
-        return document_attention(q, k, v, dropout_p, enable_gqa, docs, window, scale)
+        return document_attention(q, k, v, dropout_p, enable_gqa, docs, window, scale, sinks)
     if window is None or window >= q.shape[-2]:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, enable_gqa=enable_gqa,
-                                              scale=scale)
+        return sdpa(q, k, v, dropout_p, enable_gqa, scale, sinks, causal=True)
     if varlen_runs(q, window):  # each row a sequence of the varlen call
         B, T = q.shape[0], q.shape[-2]
         rows = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=q.device)
-        return VarlenAttention.apply(q, k, v, rows, dropout_p, window, scale)
-    return banded_attention(q, k, v, window, dropout_p, enable_gqa, scale)
+        return VarlenAttention.apply(q, k, v, rows, dropout_p, window, scale, sinks)
+    return banded_attention(q, k, v, window, dropout_p, enable_gqa, scale, sinks)
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, enable_gqa: bool, scale: float | None,
+         sinks: torch.Tensor | None, causal: bool = False, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """One call over whole rows: SDPA's, or with sinks a kernel that returns the rows' log-sum-exp, the
+    sinks applied on it (attention_kernels.SinkAttention; the checks refuse dropout beside sinks)."""
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, dropout_p=dropout_p,
+                                              enable_gqa=enable_gqa, scale=scale)
+    return SinkAttention.apply(q, k, v, sinks, causal, mask, scale)
 
 
 def band_mask(blocks: int, window: int, device: torch.device) -> torch.Tensor:
@@ -145,7 +156,7 @@ def band_mask(blocks: int, window: int, device: torch.device) -> torch.Tensor:
 
 
 def banded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, dropout_p: float,
-                     enable_gqa: bool, scale: float | None) -> torch.Tensor:
+                     enable_gqa: bool, scale: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention within a window, in work and memory linear in the row: the row cut into
     blocks of `window` queries, each block's against its own keys and the block before's (2 x window
     keys, the band masked), one SDPA call for every block of every row. The row is padded to whole
@@ -166,8 +177,7 @@ def banded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: 
     # each block's keys: the block before it (block 0: zeros, masked), then its own
     k2, v2 = (torch.cat([F.pad(t, (0, 0, 0, 0, 1, 0))[:, :, :blocks], t], dim=3) for t in (kb, vb))
     mask = band_mask(blocks, window, q.device).expand(B, -1, -1, -1, -1).flatten(0, 1)  # (B x blocks, 1, w, 2w)
-    out = F.scaled_dot_product_attention(batched(cut(q)), batched(k2), batched(v2), attn_mask=mask,
-                                         dropout_p=dropout_p, enable_gqa=enable_gqa, scale=scale)
+    out = sdpa(batched(cut(q)), batched(k2), batched(v2), dropout_p, enable_gqa, scale, sinks, mask=mask)
     return out.unflatten(0, (B, blocks)).transpose(1, 2).flatten(2, 3)[:, :, :T]
 
 
@@ -180,13 +190,14 @@ def varlen_runs(q: torch.Tensor, window: int | None = None) -> bool:
 
 @torch.compiler.disable  # host-side bookkeeping of the documents (made once a forward): eager in compiled blocks
 def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, enable_gqa: bool,
-                       docs: Documents, window: int | None = None, scale: float | None = None) -> torch.Tensor:
+                       docs: Documents, window: int | None = None, scale: float | None = None,
+                       sinks: torch.Tensor | None = None) -> torch.Tensor:
     """doc_mask: a token attends to the earlier tokens of its own document only (within the window,
     where one is set). On CUDA's flash kernel, one varlen call over every document of every row;
     elsewhere, in groups of like length."""
     if varlen_runs(q, window):
-        return VarlenAttention.apply(q, k, v, docs.sequences(q.device), dropout_p, window, scale)
-    return grouped_document_attention(q, k, v, dropout_p, enable_gqa, docs, window, scale)
+        return VarlenAttention.apply(q, k, v, docs.sequences(q.device), dropout_p, window, scale, sinks)
+    return grouped_document_attention(q, k, v, dropout_p, enable_gqa, docs, window, scale, sinks)
 
 
 aten = torch.ops.aten
@@ -227,24 +238,29 @@ def varlen_backward(dout, q, k, v, out, lse, cu_seqlens: torch.Tensor, dropout_p
 
 class VarlenAttention(torch.autograd.Function):
     """doc_mask (and windows) on CUDA's flash kernel: every document of every row in one varlen call,
-    and only each document's own causal work done (within the window, where one is set)."""
+    and only each document's own causal work done (within the window, where one is set); with sinks,
+    each head's sink applied on the call's log-sum-exp (attention_kernels.py)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, dropout_p, window=None, scale=None):
+    def forward(ctx, q, k, v, cu_seqlens, dropout_p, window=None, scale=None, sinks=None):
         out, lse, aux = varlen_forward(q, k, v, cu_seqlens, dropout_p, window, scale)
-        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, *aux)
-        ctx.dropout_p, ctx.window, ctx.scale = dropout_p, window, scale
+        if sinks is not None:
+            out, lse = sink_merged(out, lse, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, *([] if sinks is None else [sinks]), *aux)
+        ctx.dropout_p, ctx.window, ctx.scale, ctx.sinks = dropout_p, window, scale, sinks is not None
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, cu_seqlens, *aux = ctx.saved_tensors
+        sinks = aux.pop(0) if ctx.sinks else None
         grads = varlen_backward(dout, q, k, v, out, lse, cu_seqlens, ctx.dropout_p, aux, ctx.window, ctx.scale)
-        return *grads, None, None, None, None
+        return *grads, None, None, None, None, None if sinks is None else sink_gradient(dout, out, lse, sinks)
 
 
 def grouped_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, enable_gqa: bool,
-                               docs: Documents, window: int | None = None, scale: float | None = None) -> torch.Tensor:
+                               docs: Documents, window: int | None = None, scale: float | None = None,
+                               sinks: torch.Tensor | None = None) -> torch.Tensor:
     """doc_mask where no varlen kernel runs (the CPU): the documents of all rows are gathered into
     groups of like length (Documents.buckets), and each group is one causal call (within the window,
     where one is set): no mask is built, memory is about the unmasked call's, and the work is each
@@ -252,6 +268,6 @@ def grouped_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     buckets = docs.buckets(q.device)
     flat = [by_position(t) for t in (q, k, v)]  # (B*T, heads, D)
     results = [by_position(causal_attention(*(t[gather].transpose(1, 2) for t in flat), dropout_p, enable_gqa,
-                                            window=window, scale=scale))
+                                            window=window, scale=scale, sinks=sinks))
                for gather in buckets.gathers]  # (documents x padded length, heads, D) each
     return buckets.regroup(results, q.shape[0])

@@ -68,6 +68,9 @@ def validate_model(cfg: TrainConfig) -> None:
             f"{pattern}")
     check_window(cfg)  # after rope_pattern: it reads which layers rotate
     check_linear(cfg)
+    require(not (cfg.family.sinks and cfg.dropout),
+            f"dropout={cfg.dropout} with {cfg.family.name}'s attention sinks is not built (the kernels whose "
+            f"log-sum-exp a sink joins take no dropout): use dropout 0")
     require(cfg.logit_softcap is None or cfg.logit_softcap > 0,
             f"logit_softcap must be positive (or null: off), got {cfg.logit_softcap}")
     # each unit starts the gathers of the ones after it, a unit holding a block or more: a depth past the

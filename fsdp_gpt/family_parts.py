@@ -73,6 +73,7 @@ class Family:
     attention: str = "mha"  # model.ATTENTIONS: multi-head (grouped-query) attention, or DeepSeek's latent one
     moe_score: str = "softmax"  # the router's scores where the moe_score key is null: softmax or sigmoid
     moe_group_score: str = "top2"  # moe.GROUP_SCORES: what ranks a group of experts where moe_groups is set
+    sinks: bool = False  # a learned logit per head in every row's softmax denominator (gpt-oss's attention sinks)
 
 
 # the block's linears, by their names in model.DecoderBlock: a family with biases everywhere (GPT-2) lists them all

@@ -124,6 +124,8 @@ class CausalSelfAttention(nn.Module):
         self.qk_norm_scope = cfg.family.qk_norm_scope if cfg.qk_norm else None  # None: q and k as they are
         if cfg.qk_norm:  # Qwen3, Gemma 3, OLMo 2: q and k normalised, before the rotation
             self.ln_q, self.ln_k = (norm(cfg, width) for width in QK_NORM_WIDTHS[self.qk_norm_scope](cfg))
+        # gpt-oss: a learned logit per head in every row's softmax denominator (attention_kernels.py)
+        self.sinks = nn.Parameter(torch.empty(cfg.n_head)) if cfg.family.sinks else None
         if layer < cfg.value_embeds:  # modded-nanogpt's value embeddings: v mixed with a token embedding
             self.value_embed = nn.Embedding(cfg.vocab_size, cfg.n_kv_head * cfg.head_dim)
             self.value_mix = nn.Parameter(torch.empty(2))  # the weights of v and of the embedding
@@ -153,7 +155,7 @@ class CausalSelfAttention(nn.Module):
         if grouped and not sdpa_takes_gqa(q):  # a key/value head per query head: memory-efficient kernels run
             k, v = (t.repeat_interleave(self.n_head // self.n_kv_head, dim=1) for t in (k, v))
             grouped = False
-        y = self.core(q, k, v, self.dropout if self.training else 0.0, grouped, docs, self.window, self.scale)
+        y = self.core(q, k, v, self.dropout if self.training else 0.0, grouped, docs, self.window, self.scale, self.sinks)
         y = y.transpose(1, 2).contiguous().view(B, T, self.n_head * self.head_dim)
         if self.gated:
             y = y * torch.sigmoid(gate)

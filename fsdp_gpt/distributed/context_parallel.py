@@ -91,16 +91,18 @@ def _to_heads(tensors: tuple[torch.Tensor, ...], group, cp: int) -> list[torch.T
 
 class UlyssesAttention:
     """The attention core over whole rows, for q, k, v of this rank's slice (attention.causal_attention's
-    signature): heads split over the group for the attention itself."""
+    signature): heads split over the group for the attention itself (rank c of the group: the c-th
+    heads/cp of them, and their sinks)."""
 
-    def __init__(self, group, cp_size: int):
-        self.group, self.cp = group, cp_size
+    def __init__(self, group, cp_size: int, cp_rank: int):
+        self.group, self.cp, self.rank = group, cp_size, cp_rank
 
     def __call__(self, q, k, v, dropout_p: float, enable_gqa: bool, docs: Documents | None = None,
-                 window: int | None = None, scale: float | None = None) -> torch.Tensor:
+                 window: int | None = None, scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         # (B, heads, T/cp, D) -> (B, heads/cp, T, D): my heads, every rank's tokens
         q, k, v = _to_heads((q, k, v), self.group, self.cp)
-        y = causal_attention(q, k, v, dropout_p, enable_gqa, docs, window, scale)  # docs: the whole rows'
+        mine = None if sinks is None else sinks.chunk(self.cp)[self.rank]
+        y = causal_attention(q, k, v, dropout_p, enable_gqa, docs, window, scale, mine)  # docs: the whole rows'
         return _to_tokens(y, self.group, self.cp)  # back: all heads, my tokens
 
 
@@ -128,7 +130,7 @@ def apply_context_parallel(gpt: GPT, mode: str, group, cp_size: int, cp_rank: in
     kind) and the documents' finder of a rank of a context group. The ring runs at cp_size 1 too:
     one rank, no passes, its kernels alone (a window shorter than the row: the model's own windowed
     attention); the linear layers' core is their own there."""
-    attention = UlyssesAttention(group, cp_size) if mode == "ulysses" else RingAttention(
+    attention = UlyssesAttention(group, cp_size, cp_rank) if mode == "ulysses" else RingAttention(
         group, cp_rank, [row_positions(mode, rank, cp_size, block_size) for rank in range(cp_size)])
     linear = LinearPieces(group, cp_rank, [row_pieces(mode, rank, cp_size, block_size) for rank in range(cp_size)]
                           ) if cp_size > 1 else GatedDeltaNet.plain_core

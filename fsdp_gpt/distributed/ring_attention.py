@@ -27,9 +27,11 @@ A sliding window shorter than the row (sliding_window) takes window_ring.py inst
 exchanges only the columns a window reaches, not the whole ring's blocks; at cp_size 1, where the
 rank holds whole rows, the model's own windowed attention (attention.causal_attention) runs.
 
-Kernels: the fused flash kernels' own forward, which returns the log-sum-exp, and backward, which
-takes it: the CPU's (fp32, bf16) and CUDA's flash (bf16, fp16; sm80 and later). Grouped-query
-attention: the ring carries key/value heads only, repeated for the kernel where they are used.
+Kernels (attention_kernels.KERNELS): the fused flash kernels' own forward, which returns the log-sum-exp,
+and backward, which takes it: the CPU's (fp32, bf16) and CUDA's flash (bf16, fp16; sm80 and later).
+Grouped-query attention: the ring carries key/value heads only, repeated for the kernel where they are
+used. Sinks (gpt-oss): each head's joins every row once, on the merged log-sum-exp after the last step
+(attention_kernels.sink_merged); backward runs the kernels with that output and log-sum-exp.
 """
 import numpy as np
 import torch
@@ -38,34 +40,8 @@ import torch.distributed as dist
 from fsdp_gpt.attention import (DocumentBuckets, Documents, by_position, causal_attention, varlen_backward,
                                  varlen_forward, varlen_runs)
 from fsdp_gpt.distributed.precision import Chip
+from fsdp_gpt.attention_kernels import KERNELS, sink_gradient, sink_merged
 from fsdp_gpt.distributed.window_ring import WindowPlan, WindowRing, fold_heads, merge, repeat_heads
-
-aten = torch.ops.aten
-
-
-def _cpu_forward(q, k, v, causal: bool, scale: float | None):
-    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-    return out, lse, ()
-
-
-def _cpu_backward(dout, q, k, v, out, lse, aux, causal: bool, scale: float | None):
-    return aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal, scale=scale)
-
-
-def _cuda_forward(q, k, v, causal: bool, scale: float | None):
-    out, lse, *aux = aten._scaled_dot_product_flash_attention(q.contiguous(), k.contiguous(), v.contiguous(), 0.0,
-                                                              causal, False, scale=scale)
-    return out, lse, tuple(aux[:6])  # cum_seq_q, cum_seq_k, max_q, max_k, philox_seed, philox_offset: for backward
-
-
-def _cuda_backward(dout, q, k, v, out, lse, aux, causal: bool, scale: float | None):
-    cum_q, cum_k, max_q, max_k, seed, offset = aux
-    return aten._scaled_dot_product_flash_attention_backward(
-        dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(), lse.contiguous(),
-        cum_q, cum_k, max_q, max_k, 0.0, causal, seed, offset, scale=scale)[:3]
-
-
-KERNELS = {"cpu": (_cpu_forward, _cpu_backward), "cuda": (_cuda_forward, _cuda_backward)}
 
 
 def ring_refusal(chip: Chip, dtype: torch.dtype) -> str | None:
@@ -211,23 +187,24 @@ class RingAttention:
 
     @torch.compiler.disable  # host loops and point-to-point sends: eager inside a compiled block
     def __call__(self, q, k, v, dropout_p: float, enable_gqa: bool, docs: Documents | None = None,
-                 window: int | None = None, scale: float | None = None) -> torch.Tensor:
+                 window: int | None = None, scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         assert dropout_p == 0.0, "config_checks.validate refuses dropout with cp_mode: ring"
         if window is not None and window < self.row:  # shorter than a row
             if self.cp == 1:  # the whole row here: the model's own window (the flash kernel's on CUDA), no tiles
-                return causal_attention(q, k, v, dropout_p, enable_gqa, docs, window, scale)
-            return self.window_tiles(q, k, v, docs, window, scale)
-        return _Ring.apply(q, k, v, self, *self.plan(docs), scale)
+                return causal_attention(q, k, v, dropout_p, enable_gqa, docs, window, scale, sinks)
+            return self.window_tiles(q, k, v, docs, window, scale, sinks)
+        return _Ring.apply(q, k, v, self, *self.plan(docs), scale, sinks)
 
-    def window_tiles(self, q, k, v, docs: Documents | None, window: int, scale: float | None) -> torch.Tensor:
+    def window_tiles(self, q, k, v, docs: Documents | None, window: int, scale: float | None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
         """A window shorter than the row over the context group: window_ring.py's exchanges and tiles."""
         plan, masks = self.window_plan(window, docs, q.device)
-        return WindowRing.apply(q, k, v, self, plan, masks, q.shape[-1] ** -0.5 if scale is None else scale)
+        return WindowRing.apply(q, k, v, self, plan, masks, q.shape[-1] ** -0.5 if scale is None else scale, sinks)
 
 
 class _Ring(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, ring: RingAttention, own: Documents | None, plan: list, scale: float | None):
+    def forward(ctx, q, k, v, ring: RingAttention, own: Documents | None, plan: list, scale: float | None, sinks=None):
         run, _ = KERNELS[q.device.type]
         groups = q.shape[1] // k.shape[1]
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # merged in fp32
@@ -251,14 +228,16 @@ class _Ring(torch.autograd.Function):
                     merge(out[rows, :, q0:q1], lse[rows, :, q0:q1], block_out.float(), block_lse)
             if incoming is not None:
                 kv = incoming()
+        if sinks is not None:  # once, on the row's merged log-sum-exp
+            out, lse = sink_merged(out, lse, sinks)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, *([] if sinks is None else [sinks]))
         ctx.ring, ctx.own, ctx.plan, ctx.auxes, ctx.scale = ring, own, plan, auxes, scale
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, *sinks = ctx.saved_tensors
         ring, groups = ctx.ring, q.shape[1] // k.shape[1]
         _, run_backward = KERNELS[q.device.type]
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -284,4 +263,5 @@ class _Ring(torch.autograd.Function):
                 dkv = ring.pass_on(dkv)()
             if incoming is not None:
                 kv = incoming()
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+        dsinks = sink_gradient(dout, out, lse, sinks[0]) if sinks else None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, dsinks

@@ -9,14 +9,17 @@ sends, whatever cp_size.
 The work is cut into tiles of a few hundred queries of one contiguous run of the rank's columns,
 each against the keys within its reach (at most a tile and a window of them): linear in the row. A
 tile's mask says which of its pairs the window holds (and, under doc_mask, which share a document).
-The kernel is attention written out in fp32 matmuls (TF32 on GPUs; autocast off inside it): the
-output and its log-sum-exp, and the backward given the merged ones, as the ring's flash kernels are
-used. No kernel takes an arbitrary mask and returns the log-sum-exp on every device; this code runs
-alike on the CPU and CUDA.
+The kernel is attention written out in fp32 matmuls (attention_kernels.masked_forward: TF32 on GPUs,
+autocast off inside it): the output and its log-sum-exp, and the backward given the merged ones, as
+the ring's flash kernels are used. No kernel takes an arbitrary mask and returns the log-sum-exp on
+every device; this code runs alike on the CPU and CUDA. With sinks, each head's joins the merged row
+once (attention_kernels.sink_merged).
 """
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from fsdp_gpt.attention_kernels import masked_backward, masked_forward, sink_gradient, sink_merged
 
 
 def reach(queries: np.ndarray, keys: np.ndarray, window: int) -> np.ndarray:
@@ -37,29 +40,6 @@ def runs(positions: np.ndarray) -> list[tuple[int, int]]:
 
 
 TILE = (256, 512)  # queries a tile: at least the first (few launches for small windows), at most the second (memory)
-
-
-def masked_forward(q, k, v, mask, scale: float):
-    """Attention of q (B, H, Lq, D) over k, v (B, H, Lk, D) where mask (B or 1, 1, Lq, Lk) holds, in
-    fp32 whatever autocast says: the output and its log-sum-exp (-inf, and an output of zeros, where
-    a query has no key)."""
-    with torch.autocast(q.device.type, enabled=False):
-        scores = (q.float() @ k.float().transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
-        lse = scores.logsumexp(-1)
-        probs = (scores - lse.nan_to_num(neginf=0.0).unsqueeze(-1)).exp()  # masked: exp(-inf) = 0
-        return probs @ v.float(), lse
-
-
-def masked_backward(dout, q, k, v, out, lse, mask, scale: float):
-    """dq, dk, dv (fp32) of masked_forward's attention, given the final output and log-sum-exp of
-    every query (merged over all its keys): each tile's exact share."""
-    with torch.autocast(q.device.type, enabled=False):
-        scores = (q.float() @ k.float().transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
-        probs = (scores - lse.unsqueeze(-1)).exp()
-        dout = dout.float()
-        dprobs = dout @ v.float().transpose(-1, -2)
-        dscores = probs * (dprobs - (dout * out.float()).sum(-1, keepdim=True)) * scale
-        return dscores @ k.float(), dscores.transpose(-1, -2) @ q.float(), probs.transpose(-1, -2) @ dout
 
 
 def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
@@ -147,7 +127,7 @@ def fold_heads(t: torch.Tensor, groups: int) -> torch.Tensor:
 
 class WindowRing(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, ring, plan: WindowPlan, masks: list, scale: float):
+    def forward(ctx, q, k, v, ring, plan: WindowPlan, masks: list, scale: float, sinks=None):
         groups, rank = q.shape[1] // k.shape[1], plan.rank
         kv = torch.stack((k, v))
         others = {source: kv[:, :, :, lo:hi] for source, (lo, hi) in plan.gives.items()}
@@ -161,14 +141,18 @@ class WindowRing(torch.autograd.Function):
         for (q0, q1, source, k0, k1), mask in zip(plan.tiles, masks):
             keys, values = (repeat_heads(t[:, :, k0:k1], groups) for t in blocks[source])
             merge(out[:, :, q0:q1], lse[:, :, q0:q1], *masked_forward(q[:, :, q0:q1], keys, values, mask, scale))
+        if sinks is not None:  # once, on the row's merged log-sum-exp
+            out, lse = sink_merged(out, lse, sinks)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, out, lse, *[t for block in blocks.values() for t in block])
+        ctx.sinks = sinks is not None
+        ctx.save_for_backward(q, out, lse, *([] if sinks is None else [sinks]), *[t for block in blocks.values() for t in block])
         ctx.ring, ctx.plan, ctx.masks, ctx.scale, ctx.sources, ctx.kv_shape = ring, plan, masks, scale, list(blocks), kv.shape
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, out, lse, *held = ctx.saved_tensors
+        sinks = held.pop(0) if ctx.sinks else None
         plan, groups = ctx.plan, q.shape[1] // ctx.kv_shape[2]
         blocks = {source: torch.stack(held[2 * i:2 * i + 2]) for i, source in enumerate(ctx.sources)}
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -190,4 +174,5 @@ class WindowRing(torch.autograd.Function):
         for other in sorted(back):  # a fixed order: the sum is the same bits every run
             lo, hi = plan.gives[other]
             dkv[:, :, :, lo:hi] += back[other]
-        return dq.to(q.dtype), dkv[0].to(q.dtype), dkv[1].to(q.dtype), None, None, None, None
+        dsinks = None if sinks is None else sink_gradient(dout, out, lse, sinks)
+        return dq.to(q.dtype), dkv[0].to(q.dtype), dkv[1].to(q.dtype), None, None, None, None, dsinks
