@@ -161,7 +161,7 @@ def validate_run(cfg: TrainConfig) -> None:
 
 
 def check_moe(cfg: TrainConfig) -> None:
-    """The mixture's keys (the families that take moe_experts: families/): SwiGLU experts."""
+    """The mixture's keys (the families that take moe_experts: families/): gated experts (model_keys.MLPS)."""
     require(cfg.ep_size == 1 or cfg.moe_experts, f"ep_size={cfg.ep_size} splits a mixture's experts over ranks, and "
                                                  f"moe_experts: 0 is a dense model: ep_size must be 1")
     if cfg.ep_size > 1 and cfg.reduce_dtype == "fp16":
@@ -175,8 +175,8 @@ def check_moe(cfg: TrainConfig) -> None:
             raise UserError(f"{', '.join(moe)} configure experts: set moe_experts (0 means a dense MLP)")
         return
     checks = ((cfg.moe_experts > 0, f"moe_experts must be 0 (dense) or more, got {cfg.moe_experts}"),
-              ((cfg.mlp or cfg.family.mlp) == "swiglu", f"MoE layers are built of SwiGLU experts: mlp: {cfg.mlp} "
-               f"has no MoE form"),
+              (MLPS[cfg.mlp or cfg.family.mlp], f"MoE layers are built of gated experts "
+               f"({', '.join(name for name, gated in MLPS.items() if gated)}): mlp: {cfg.mlp} has no MoE form"),
               (1 <= cfg.moe_top_k <= cfg.moe_experts, f"moe_top_k={cfg.moe_top_k} must be 1 to moe_experts={cfg.moe_experts}"),
               ((cfg.moe_hidden is None or cfg.moe_hidden > 0) and cfg.moe_shared >= 0,
                f"moe_hidden must be positive (null: ffn_hidden / moe_top_k), moe_shared 0 or more: got {cfg.moe_hidden}, "

@@ -183,12 +183,24 @@ def geglu(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh") * up
 
 
+SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0  # gpt-oss's: the sigmoid's gain, and the clamp of gate (above) and up
+
+
+def clamped_swiglu(x: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's: (up + 1) * gate * sigmoid(1.702 gate), gate clamped at 7 from above, up to [-7, 7]
+    (transformers' GptOssExperts, in its order of operations)."""
+    gate, up = x.chunk(2, dim=-1)
+    gate, up = gate.clamp(max=SWIGLU_LIMIT), up.clamp(-SWIGLU_LIMIT, SWIGLU_LIMIT)
+    return (up + 1) * (gate * torch.sigmoid(gate * SWIGLU_ALPHA))
+
+
 # the MLP's nonlinearity, applied to c_fc's output (a gated one's, model_keys.MLPS, holds the gate then
 # the up projection: twice ffn_hidden wide)
 ACTIVATIONS = {
     "gelu": lambda x: F.gelu(x, approximate="tanh"),  # tanh GELU is GPT-2's "gelu_new": exports alike
     "swiglu": swiglu,
     "geglu": geglu,  # Gemma's: tanh GELU of the gate
+    "clamped_swiglu": clamped_swiglu,  # gpt-oss's experts'
     "relu2": lambda x: F.relu(x).square(),  # modded-nanogpt's, from Primer (arXiv:2109.08668)
 }
 
@@ -224,7 +236,8 @@ class DecoderBlock(nn.Module):
         self.ln_2 = block_norm(before)
         if cfg.moe_experts and layer >= cfg.moe_dense_layers:
             shared = MLP(cfg, cfg.moe_shared * cfg.moe_hidden) if cfg.moe_shared else None
-            self.mlp = MoE(cfg, ACTIVATIONS["swiglu"], shared, cfg.family.shared_expert_gate)
+            self.mlp = MoE(cfg, ACTIVATIONS[cfg.mlp], shared, cfg.family.shared_expert_gate,
+                           has_bias(cfg, "mlp.router"), has_bias(cfg, "mlp.experts"))
         else:
             self.mlp = MLP(cfg)
         self.ln_attn_out, self.ln_mlp_out = block_norm(after), block_norm(after)
@@ -288,7 +301,7 @@ class GPT(nn.Module):
                 nn.init.normal_(p, mean=0.0, std=0.0 if self.config.zero_init_proj else std / math.sqrt(2 * self.config.n_layer))
             elif start := linear_start(name):  # a linear layer's convolution, decay rates and step bias
                 start(p)
-            elif p.dim() >= 2:
+            elif p.dim() >= 2 and not name.endswith("_bias"):  # a mixture's experts' biases: 2-D, zeros as any bias
                 nn.init.normal_(p, mean=0.0, std=std)
             elif name.endswith("value_mix"):
                 nn.init.constant_(p, 0.5)  # half v, half the embedding (modded-nanogpt's start)
@@ -359,8 +372,9 @@ class GPT(nn.Module):
         return n - self.wpe.weight.numel() if exclude_position_embedding and hasattr(self, "wpe") else n
 
     def idle_expert_params(self) -> int:
-        """The routed experts' weights a token does not use: all of them but its top-k, in every MoE layer."""
-        return sum(m.expert_params() * (m.n_experts - m.top_k) for m in self.moe_layers())
+        """The routed experts' weights a token does not use: all of them but its top-k (their biases too), in
+        every MoE layer."""
+        return sum(m.expert_params(biases=True) * (m.n_experts - m.top_k) for m in self.moe_layers())
 
     def flops_per_token(self) -> float:
         """Training FLOPs per token: forward + backward = 3x the forward's matmuls.

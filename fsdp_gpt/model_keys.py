@@ -21,7 +21,7 @@ from fsdp_gpt.family_parts import Family
 
 # the mlp key's values: whether c_fc holds a gate beside the up projection (twice as many rows), the
 # one place gatedness is decided
-MLPS = {"gelu": False, "swiglu": True, "relu2": False, "geglu": True}
+MLPS = {"gelu": False, "swiglu": True, "relu2": False, "geglu": True, "clamped_swiglu": True}
 # what window_pattern names a layer: local (its attention within sliding_window) or global (full)
 WINDOW_KINDS = ("local", "global")
 # what rope_pattern names a layer: rope (q and k rotated) or nope (no positions: SmolLM3's NoPE layers)
@@ -65,8 +65,10 @@ class ModelKeys:
                                             "false for llama)")
     ffn_hidden: int | None = key(None, "MLP width; null: 8/3 n_embd rounded up to 256 (swiglu), else 4 n_embd")
     norm_eps: float = key(1e-5, "epsilon of LayerNorm / RMSNorm")
-    mlp: str | None = key(None, "the MLP: gelu, swiglu (gated SiLU), geglu (gated tanh GELU) or relu2 (relu(x)^2); "
-                                "null: the family's (gelu for gpt2, swiglu for llama, geglu for gemma3)")
+    mlp: str | None = key(None, "the MLP: gelu, swiglu (gated SiLU), geglu (gated tanh GELU), clamped_swiglu "
+                                "(gpt-oss's: (up + 1) * SiLU-like gate, both clamped at 7) or relu2 (relu(x)^2); "
+                                "null: the family's (gelu for gpt2, swiglu for llama, geglu for gemma3, "
+                                "clamped_swiglu for gpt_oss)")
     sliding_window: int | None = key(None, "sliding-window attention: each query attends to this many keys up to "
                                            "itself, in the layers window_pattern makes local; null: full attention")
     window_pattern: list | None = key(None, "which layers slide: local (sliding_window) and global (full attention) "

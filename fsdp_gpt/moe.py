@@ -1,14 +1,22 @@
-"""A mixture-of-experts MLP in plain PyTorch (Qwen3-MoE, OLMoE, DeepSeek-V3): a router picks each
-token's top-k experts, every token reaches all of them (dropless token choice: no capacity, nothing
-dropped), and the experts' weights are stacked so that one grouped matmul serves them all. Shared
-experts, where configured, see every token. No distributed code lives here: what runs the experts on
-the tokens routed to them (`run_experts`) is replaceable from outside, as attention's core is.
+"""A mixture-of-experts MLP in plain PyTorch (Qwen3-MoE, OLMoE, DeepSeek-V3, gpt-oss): a router picks
+each token's top-k experts, every token reaches all of them (dropless token choice: no capacity,
+nothing dropped), and the experts' weights are stacked so that one grouped matmul serves them all.
+Shared experts, where configured, see every token; the router and the experts have biases where the
+family's do (gpt-oss). No distributed code lives here: what runs the experts on the tokens routed to
+them (`run_experts`) is replaceable from outside, as attention's core is.
 """
 import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import is_fake
 
 from fsdp_gpt.compat import autocast_dtype, grouped_mm_on_cpu
+
+
+def per_expert_dims(name: str, shape) -> int:
+    """The dimensions of one expert's part of a parameter named `name` (model.GPT's names) where it is a
+    mixture's stacked experts' (dim 0 the expert: c_fc a matrix an expert, c_fc_bias a vector), else the
+    parameter's own: what the optimizers treat as a matrix (2) or a vector (1)."""
+    return len(shape) - (".experts." in name)
 
 
 def grouped_mm_runs(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -26,16 +34,22 @@ def grouped_mm_runs(x: torch.Tensor, w: torch.Tensor) -> bool:
     return x.device.type == "cpu" and grouped_mm_on_cpu()
 
 
-def expert_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def expert_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (rows, in) grouped by expert, counts[e] rows for expert e; w (experts, out, in) -> (rows, out):
-    each group times its expert's matrix, in one grouped matmul where one runs."""
+    each group times its expert's matrix, in one grouped matmul where one runs, plus its expert's bias
+    (experts, out) where one is given."""
     # torch._grouped_mm is no autocast op: under autocast both go to its dtype (x may come from a norm
     # in fp32; the stacked weights are never cast for us), else fp32 matmuls per expert ran on the GPU
     dtype = autocast_dtype(x.device) or x.dtype
     x, w = x.to(dtype), w.to(dtype)
     if grouped_mm_runs(x, w):
-        return torch._grouped_mm(x, w.transpose(-2, -1), offs=counts.cumsum(0).to(torch.int32))
-    return matmul_per_expert(x, w, counts)
+        y = torch._grouped_mm(x, w.transpose(-2, -1), offs=counts.cumsum(0).to(torch.int32))
+    else:
+        y = matmul_per_expert(x, w, counts)
+    if bias is None:
+        return y
+    # each row its expert's bias (output_size: the rows' count, known on the host: no sync)
+    return y + bias.to(dtype).repeat_interleave(counts, dim=0, output_size=x.shape[0])
 
 
 # Where no grouped matmul runs: a matmul per expert, whose split sizes the host must read. An operator
@@ -77,24 +91,30 @@ matmul_per_expert.register_autograd(_matmul_per_expert_backward, setup_context=_
 
 
 class GroupedExperts(nn.Module):
-    """`experts` SwiGLU MLPs of hidden width `hidden`, their weights stacked along dim 0: c_fc
-    (experts, 2 hidden, width) holds each expert's gate rows then its up rows, c_proj (experts, width,
-    hidden). FSDP shards dim 0, so a rank holds whole experts wherever the count allows."""
+    """`experts` gated MLPs (SwiGLU, gpt-oss's clamped SwiGLU) of hidden width `hidden`, their weights
+    stacked along dim 0: c_fc (experts, 2 hidden, width) holds each expert's gate rows then its up rows,
+    c_proj (experts, width, hidden); with biases, c_fc_bias (experts, 2 hidden) and c_proj_bias
+    (experts, width), a vector per expert. FSDP shards dim 0, so a rank holds whole experts wherever
+    the count allows."""
 
-    def __init__(self, experts: int, width: int, hidden: int, activation):
+    def __init__(self, experts: int, width: int, hidden: int, activation, bias: bool = False):
         super().__init__()
         self.c_fc = nn.Parameter(torch.empty(experts, 2 * hidden, width))
         self.c_proj = nn.Parameter(torch.empty(experts, width, hidden))
+        if bias:
+            self.c_fc_bias = nn.Parameter(torch.empty(experts, 2 * hidden))
+            self.c_proj_bias = nn.Parameter(torch.empty(experts, width))
         self.activation = activation
 
-    def weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The experts this module computes (expert parallelism: a rank's own, swapped in from outside)."""
-        return self.c_fc, self.c_proj
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The experts this module computes, by name (expert parallelism: a rank's own, swapped in from outside)."""
+        return dict(self.named_parameters())
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x (rows, width) grouped by expert (counts[e] rows each) -> (rows, width)."""
-        c_fc, c_proj = self.weights()
-        return expert_matmul(self.activation(expert_matmul(x, c_fc, counts)), c_proj, counts)
+        w = self.weights()
+        hidden = self.activation(expert_matmul(x, w["c_fc"], counts, w.get("c_fc_bias")))
+        return expert_matmul(hidden, w["c_proj"], counts, w.get("c_proj_bias"))
 
 
 def run_local(experts: GroupedExperts, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -120,13 +140,14 @@ class MoE(nn.Module):
     While training, each forward leaves its routing's figures for that loop: the token count of each
     expert, the load-balancing loss (aux_loss, with its gradient) and one forward counted."""
 
-    def __init__(self, cfg, activation, shared: nn.Module | None = None, shared_gate: bool = False):
+    def __init__(self, cfg, activation, shared: nn.Module | None = None, shared_gate: bool = False,
+                 router_bias: bool = False, expert_biases: bool = False):
         super().__init__()
         self.n_experts, self.top_k, self.score, self.norm_top_k = cfg.moe_experts, cfg.moe_top_k, cfg.moe_score, cfg.moe_norm_top_k
         self.groups, self.top_groups, self.scale = cfg.moe_groups, cfg.moe_top_groups, cfg.moe_scale
         self.group_score = GROUP_SCORES[cfg.family.moe_group_score]
-        self.router = nn.Linear(cfg.n_embd, cfg.moe_experts, bias=False)
-        self.experts = GroupedExperts(cfg.moe_experts, cfg.n_embd, cfg.moe_hidden, activation)
+        self.router = nn.Linear(cfg.n_embd, cfg.moe_experts, bias=router_bias)
+        self.experts = GroupedExperts(cfg.moe_experts, cfg.n_embd, cfg.moe_hidden, activation, expert_biases)
         self.shared = shared
         # Qwen3.5-MoE's: the shared experts' output times sigmoid(shared_gate(x)), a weight a token
         self.shared_gate = nn.Linear(cfg.n_embd, 1, bias=False) if shared is not None and shared_gate else None
@@ -134,9 +155,10 @@ class MoE(nn.Module):
         self.run_experts = run_local  # replaceable from outside
         self.aux_loss, self.pending = None, None
 
-    def expert_params(self) -> int:
-        """One routed expert's weights."""
-        return (self.experts.c_fc.numel() + self.experts.c_proj.numel()) // self.n_experts
+    def expert_params(self, biases: bool = False) -> int:
+        """One routed expert's matrices' weights (what a token's FLOPs count), with its biases where asked."""
+        return sum(p.numel() for name, p in self.experts.named_parameters()
+                   if biases or not name.endswith("_bias")) // self.n_experts
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (N, width) -> the chosen experts (N, k), their weights (N, k) and every expert's

@@ -180,3 +180,20 @@ def test_a_key_defines_the_model_exactly_when_it_changes_what_the_model_computes
     changes = what_changes(keys, keys | {key: value})
     assert (changes != "nothing") == (key in DEFINING_KEYS), (
         f"{key}: its change changes {changes}, but model_keys.py has defines={key in DEFINING_KEYS}")
+
+
+def test_clamped_swiglu_is_gpt_oss_experts_gate_beyond_its_clamps():
+    """ACTIVATIONS["clamped_swiglu"] on [gates | ups] against transformers' GptOssExperts on the same
+    values interleaved (gate, up, gate, up, ... as its gate_up_proj computes them), past the clamp at 7
+    on both sides: the gate clamped from above only, up from both."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    from fsdp_gpt.model import ACTIVATIONS
+    gate, up = (torch.linspace(-12, 12, 97)[torch.randperm(97, generator=torch.Generator().manual_seed(s))]
+                for s in (0, 1))
+    theirs = GptOssExperts(GptOssConfig(hidden_size=8, intermediate_size=97, num_local_experts=1))
+    interleaved = torch.stack([gate, up], dim=-1).flatten()
+    ours = ACTIVATIONS["clamped_swiglu"](torch.cat([gate, up]))
+    assert torch.equal(ours, theirs._apply_gate(interleaved))
+    assert (gate > 7).any() and (gate < -7).any() and (up > 7).any() and (up < -7).any()  # every clamp reached

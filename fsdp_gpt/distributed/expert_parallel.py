@@ -55,8 +55,8 @@ class LocalExperts(GroupedExperts):
     """The experts of this rank's share of the group: the local part of the weights' DTensors (FSDP
     gathers them over efsdp before forward; the ep dimension stays split)."""
 
-    def weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.c_fc.to_local(), self.c_proj.to_local()
+    def weights(self) -> dict[str, torch.Tensor]:
+        return {name: p.to_local() for name, p in self.named_parameters()}
 
 
 class ExpertParallel:
@@ -106,8 +106,8 @@ def apply_expert_parallel(gpt: GPT, ep_mesh: DeviceMesh) -> None:
     dispatch = ExpertParallel(ep_mesh)
     logging.getLogger("torch.distributed.tensor._redistribute").addFilter(UNMERGEABLE_GATHERS)  # added once
     for moe in gpt.moe_layers():
-        moe.experts.c_fc = _sharded_over(moe.experts.c_fc, ep_mesh)
-        moe.experts.c_proj = _sharded_over(moe.experts.c_proj, ep_mesh)
+        for name, p in list(moe.experts.named_parameters()):  # every stacked tensor: weights and biases
+            setattr(moe.experts, name, _sharded_over(p, ep_mesh))
         moe.experts.__class__ = LocalExperts
         moe.run_experts = dispatch
 

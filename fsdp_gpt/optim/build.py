@@ -3,17 +3,19 @@ import torch
 
 from fsdp_gpt.distributed.shards import local_part
 from fsdp_gpt.model import GPT
+from fsdp_gpt.moe import per_expert_dims
 from fsdp_gpt.optim.muon import MuonWithAdamW, is_muon_matrix
 
 
 def parameter_groups(gpt: GPT) -> tuple[dict, dict]:
     """{name: parameter} with weight decay (matmul and embedding weights), and without (biases,
-    norms' weights, value_mix: every 1-D parameter). Parameters without gradients (the experts'
-    selection bias, moved by the loop) are no optimizer's."""
+    norms' weights, value_mix, attention sinks: every 1-D parameter, and a mixture's experts' biases, a
+    vector an expert). Parameters without gradients (the experts' selection bias, moved by the loop)
+    are no optimizer's."""
     decay, no_decay = {}, {}
     for name, p in gpt.named_parameters():
         if p.requires_grad:
-            (no_decay if p.dim() < 2 else decay)[name] = p
+            (no_decay if per_expert_dims(name, p.shape) < 2 else decay)[name] = p
     return decay, no_decay
 
 

@@ -32,6 +32,7 @@ from torch.optim.adamw import adamw
 from fsdp_gpt.distributed.shards import dim0_shard, local_part, zero_rows
 from fsdp_gpt.compat import all_gather_flat
 from fsdp_gpt.distributed.precision import native_bf16
+from fsdp_gpt.moe import per_expert_dims
 
 # muon_coefficients: each iteration's (a, b, c) of x <- a x + (b G + c G^2) x, G = x x^T, and the
 # margin the start's norm leaves below 1
@@ -86,11 +87,12 @@ NOT_MUON = (".value_embed.", ".router.", ".in_proj_a.", ".in_proj_b.")
 
 def is_muon_matrix(name: str, shape: torch.Size) -> bool:
     """Muon's parameters: the 2-D weights inside the DecoderBlocks (named as model.GPT names them)
-    and a mixture's stacked experts (3-D: a matrix per expert); the value embeddings' tables, an
-    MoE router and a linear layer's gates (NOT_MUON) and its convolution (3-D) take AdamW."""
+    and a mixture's stacked experts' matrices (3-D: a matrix per expert); the value embeddings' tables, an
+    MoE router and a linear layer's gates (NOT_MUON) and its convolution (3-D) take AdamW,
+    as every vector does (biases, the experts' a vector per expert, norms, attention sinks)."""
     if not name.startswith("blocks.") or any(part in name for part in NOT_MUON):
         return False
-    return len(shape) == 2 or (len(shape) == 3 and ".experts." in name)
+    return per_expert_dims(name, shape) == 2
 
 
 def newton_schulz_flops(shape: torch.Size) -> int:
