@@ -10,7 +10,9 @@ transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR) loads with model.GPT'
 run's tokenizer: a Hugging Face tokenizer's files copied (its tokenizer_config.json in a form
 transformers 4.51 and 5.x both load, whichever wrote it), a tiktoken encoding or bytes converted
 (encoding alike). --dtype fp32 (the default) writes the trained weights exactly;
-bf16 halves the folder (for serving and sharing) at bf16's rounding of every weight.
+bf16 halves the folder (for serving and sharing) at bf16's rounding of every weight. A family whose
+published folders hold quantized weights (gpt-oss's MXFP4 experts) is written unquantized too, in
+that dtype, and the export says so in a line.
 
 --whole_folder writes instead the Hugging Face folder the run started from (its init_from, or SOURCE)
 with the trained weights in place of its language model's: every other file as it was (a multimodal
@@ -98,6 +100,9 @@ def export(checkpoint: str, out_dir: str, dtype: str | None = None, max_shard_si
     save_tokenizer(tokenizer, out_dir, cfg.block_size)
     print(f"wrote {out_dir}/ ({cfg.family.hf_class} in {dtype}, tokenizer files of '{ckpt['config']['tokenizer']}') "
           f"from {checkpoint}, step {ckpt['step']}")
+    if cfg.family.hf_quantized:  # gpt-oss's MXFP4 experts: init_from dequantized them, this writes them as trained
+        print(f"note: {cfg.family.hf_class}'s published folders hold {cfg.family.hf_quantized}; this export writes "
+              f"every weight in {dtype}, unquantized (quantize it again to serve it so)")
 
 
 def main(argv: list[str]) -> int:

@@ -54,6 +54,7 @@ GPT2 = ["config/gpt2_124M.yaml", "--train_batch=64", "--micro_batch=32"]
 GPT2_FSDP = GPT2 + ["--force_fsdp=true", "--sharding_strategy=FULL_SHARD"]
 LLAMA124 = ["config/llama_124M.yaml", "--vocab_size=50304", "--train_batch=64", "--micro_batch=32", "--compile=true"]
 LLAMA1B = ["config/llama_1B.yaml", "--train_batch=8", "--micro_batch=8"]
+OSS_SHAPE = ["--n_kv_head=4", "--sliding_window=128", "--window_pattern=[local,global]"]  # gpt-oss's attention
 
 
 def shipped_share(config: str) -> tuple[int, int, int]:
@@ -100,6 +101,16 @@ ROWS = [
     Row("llama124", "config/llama_124M.yaml (dense), compiled", LLAMA124),
     Row("moe", "llama124 as 8 experts, top 2 (the same active size), compiled: torch._grouped_mm",
         LLAMA124 + ["--moe_experts=8", "--moe_top_k=2", "--moe_bias_rate=0.001"], "llama124", by_mfu=True),
+    # gpt-oss's layout at llama124's size (its 12 heads over 4 key/value heads, a window of 128 on every other
+    # layer): Llama with that attention, then gpt-oss's dense twin (sinks: flash's forward and varlen call with the
+    # sink on their log-sum-exp; biases; clamped SwiGLU), then its mixture of 8 experts of 768, top 2
+    Row("llama124_oss_attention", "llama124 with gpt-oss's attention shape: 4 key/value heads, windows of 128 on "
+        "every other layer, MLP 1,536 wide (the twin's)", LLAMA124 + OSS_SHAPE + ["--arch=llama", "--ffn_hidden=1536"]),
+    Row("gptoss124_dense", "llama124_oss_attention as gpt-oss's layout, dense: attention sinks, biases, clamped "
+        "SwiGLU", LLAMA124 + OSS_SHAPE + ["--arch=gpt_oss", "--ffn_hidden=1536"], "llama124_oss_attention", trace=True),
+    Row("gptoss124", "gptoss124_dense as its mixture: 8 experts of 768, top 2 (the same active size), "
+        "torch._grouped_mm", LLAMA124 + OSS_SHAPE + ["--arch=gpt_oss", "--moe_experts=8", "--moe_top_k=2",
+                                                     "--moe_hidden=768"], "gptoss124_dense", by_mfu=True),
     Row("llama1b_ref", "Llama 3.2 1B's shape at 2,048 tokens, plain loop", LLAMA1B, plain=True),
     Row("llama1b", "config/llama_1B.yaml: one process unwrapped, compiled, micro_batch 8 x 1", LLAMA1B,
         "llama1b_ref"),

@@ -50,7 +50,9 @@ class Family:
     hf_block: str  # its prefix of block {i}
     # a block's names, ours -> its (with {e}: one per expert, stacked in ours), Rows or Absent; unlisted: alike
     hf_names: dict = field(default_factory=dict)
-    hf_transposed: tuple[str, ...] = ()  # ours its files hold transposed (GPT-2's Conv1D)
+    hf_transposed: tuple[str, ...] = ()  # ours its files hold transposed (GPT-2's Conv1D, gpt-oss's experts)
+    hf_interleaved: tuple[str, ...] = ()  # ours whose gate and up rows its files interleave (gpt-oss's gate_up_proj)
+    hf_quantized: str = ""  # what its published folders hold quantized: init_from reads it, an export writes it plain
     hf_zero_biases: bool = False  # its class has a bias in every layer: zeros stand in where ours has none
     hf_limits: tuple = ()  # (key, holds(cfg), why): what its class computes otherwise, refused on export
     # config.json -> a note each on what its folders hold that is not trained here (said at start-up, never read)

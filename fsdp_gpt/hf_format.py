@@ -4,7 +4,8 @@ the names the entry gives.
 
 Export builds the transformers model (export_hf.py); import (`init_from`) reads config.json and
 the safetensors files directly (safetensors_file.py), so training from published weights needs no
-transformers.
+transformers; a folder's quantized weights (quantization_config) are dequantized on the way in
+(hf_quantized.py: fine-grained FP8, gpt-oss's MXFP4 experts).
 """
 import dataclasses
 import os
@@ -19,10 +20,9 @@ from fsdp_gpt.families import FAMILIES
 from fsdp_gpt.families.unbuilt import BUILT_MIXERS, UNBUILT_CLASSES
 from fsdp_gpt.family_parts import Absent, Family, Rows
 from fsdp_gpt.files import read_json
-from fsdp_gpt.hf_quantized import full_precision, quantization_note
+from fsdp_gpt.hf_quantized import full_precision, quantization_note, quantization_of
 from fsdp_gpt.model import GPT, GPTConfig
 from fsdp_gpt.safetensors_file import read_safetensors
-
 
 def hf_refusal(cfg: GPTConfig) -> tuple[str, str] | None:
     """Where the family's Hugging Face class would compute another model than cfg's, (the key, why it
@@ -77,9 +77,24 @@ def to_hf(state: dict, cfg: GPTConfig) -> dict:
             if isinstance(theirs, Rows):
                 pieces = matrix.split(theirs.widths(cfg) if theirs.widths else matrix.shape[0] // len(parts))
             else:
-                pieces = [matrix.t() if inside in family.hf_transposed else matrix]
+                pieces = [as_stored(family, inside, matrix)]
             out |= {part.format(e=e): piece for part, piece in zip(parts, pieces)}
     return {k: v.contiguous() for k, v in out.items()}
+
+
+def as_stored(family: Family, inside: str | None, tensor: torch.Tensor) -> torch.Tensor:
+    """One of our tensors as the family's files hold it: the gates' and ups' rows interleaved (hf_interleaved,
+    dim 1 of stacked experts), then the last two dimensions swapped (hf_transposed)."""
+    if inside in family.hf_interleaved:
+        tensor = tensor.unflatten(1, (2, -1)).transpose(1, 2).flatten(1, 2)
+    return tensor.transpose(-2, -1) if inside in family.hf_transposed else tensor
+
+
+def as_ours(family: Family, inside: str | None, tensor: torch.Tensor) -> torch.Tensor:
+    """as_stored undone."""
+    if inside in family.hf_transposed:
+        tensor = tensor.transpose(-2, -1)
+    return tensor.unflatten(1, (-1, 2)).transpose(1, 2).flatten(1, 2) if inside in family.hf_interleaved else tensor
 
 
 def their_weight(tensors: dict, family: Family, name: str, like: torch.Tensor, experts: int) -> torch.Tensor:
@@ -93,8 +108,7 @@ def their_weight(tensors: dict, family: Family, name: str, like: torch.Tensor, e
     parts = theirs.parts if isinstance(theirs, Rows) else (theirs,)
 
     def matrix(e: int | None) -> torch.Tensor:
-        found = torch.cat([tensors[part.format(e=e)] for part in parts])
-        return found.t() if inside in family.hf_transposed else found
+        return as_ours(family, inside, torch.cat([tensors[part.format(e=e)] for part in parts]))
     return torch.stack([matrix(e) for e in range(experts)]) if "{e}" in parts[0] else matrix(None)
 
 
@@ -111,6 +125,13 @@ def fused_like(hf_state: dict, model_keys) -> dict:
             out[key] = torch.stack([torch.cat([out.pop(f"{prefix}{e}.{p}.weight") for p in parts])
                                     for e in range(experts)])
     return out
+
+
+def names_per_expert(family: Family) -> bool:
+    """Whether the family's files hold each expert's matrices apart ({e} in its names: Qwen3-MoE's), not
+    stacked as its class holds them (gpt-oss's)."""
+    return any("{e}" in part for theirs in family.hf_names.values() if not isinstance(theirs, Absent)
+               for part in (theirs.parts if isinstance(theirs, Rows) else (theirs,)))
 
 
 def per_expert(tensors: dict) -> dict:
@@ -132,7 +153,7 @@ def hf_model_keys(folder: str) -> tuple[dict, int]:
     positions allow). Where the family may change block_size on resume (rotary positions), it is
     not among the keys: it stays a training choice, up to max_position_embeddings; GPT-2's learned
     positions fix it."""
-    keys = _config_keys(folder)
+    keys = _config_keys(folder)[0]
     if "block_size" in GPTConfig(**keys).family.resumable:
         return {k: v for k, v in keys.items() if k != "block_size"}, keys["block_size"]
     return keys, keys["block_size"]
@@ -251,7 +272,8 @@ def read_folder_config(folder: str) -> Folder:
     return Folder(family, config[key] | tied, architecture, key, beside)
 
 
-def _config_keys(folder: str) -> dict:
+def _config_keys(folder: str) -> tuple[dict, dict]:
+    """(the model keys a folder's config.json sets, the config they come from)."""
     found = read_folder_config(folder)
     try:
         keys = found.family.hf_keys(found.config)
@@ -261,7 +283,8 @@ def _config_keys(folder: str) -> dict:
     except ValueError as e:  # what the family does not build, in its words
         raise UserError(f"init_from: {folder}/ {e}")
     check_rope_scaling(keys.get("rope_scaling"), f"init_from: {folder}/")
-    return keys
+    quantization_of(found.config, f"init_from: {folder}/")  # a method not built here refused before a tensor is read
+    return keys, found.config
 
 
 def unwrapped(tensors: dict, family: Family) -> dict:
@@ -278,10 +301,11 @@ def read_hf_folder(folder: str) -> tuple[dict, dict]:
     """(model keys as GPTConfig takes them, state dict in model.GPT's names) of a folder. A folder
     that is not what it claims (JSON, keys, tensors, file sizes) is refused with one line naming
     the file and what is wrong."""
-    keys = _config_keys(folder)
+    keys, config = _config_keys(folder)
     cfg = GPTConfig(**keys)
-    tensors = per_expert(full_precision(unwrapped(read_safetensors(folder), cfg.family), read_folder_config(folder).config,
-                                        f"init_from: {folder}/"))
+    tensors = full_precision(unwrapped(read_safetensors(folder), cfg.family), config, f"init_from: {folder}/")
+    if names_per_expert(cfg.family):  # a file of transformers 5's fused experts read as the per-expert files
+        tensors = per_expert(tensors)
     with torch.device("meta"):
         expected = GPT(cfg).state_dict()
     state = {}
@@ -291,6 +315,9 @@ def read_hf_folder(folder: str) -> tuple[dict, dict]:
         except KeyError as e:
             raise UserError(f"init_from: {folder}/ has no tensor {e.args[0]!r}, which its config's "
                             f"{cfg.family.hf_class} holds")
+        if not state[name].is_floating_point():
+            raise UserError(f"init_from: {folder}/: {name} (model.GPT's name) is stored as {state[name].dtype} bytes, "
+                            f"and config.json names no quantization that reads them")
         if state[name].shape != like.shape:
             raise UserError(f"init_from: {folder}/: {name} (model.GPT's name) has shape {list(state[name].shape)}, "
                             f"its config.json makes it {list(like.shape)}")

@@ -1,7 +1,8 @@
 """A Hugging Face folder's quantized weights, as its config.json's quantization_config names them, made
 full precision as they are read (init_from), never read as if they were: fine-grained FP8 (DeepSeek
 V3's, Kimi K2's, the FP8 folders of Qwen3 and others), each weight's float8 matrix beside a scale per
-block (weight_scale_inv: one fp32 a block of 128 x 128, the blocks at the edges cut short). A method
+block (weight_scale_inv: one fp32 a block of 128 x 128, the blocks at the edges cut short), and
+MXFP4 (gpt-oss's experts: mxfp4.py). A method
 not built here is refused by name; a float8 tensor without its scale too. Training and the export
 keep the weights in full precision (the export writes fp32, or bf16 with --dtype)."""
 import math
@@ -9,6 +10,7 @@ import math
 import torch
 
 from fsdp_gpt.config import UserError
+from fsdp_gpt.mxfp4 import dequantized as mxfp4_dequantized
 
 SCALE = "_scale_inv"  # a weight's scales beside it: X.weight_scale_inv for X.weight (X_scale_inv for a fused X)
 FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu)
@@ -45,7 +47,11 @@ def fp8_blocks(tensors: dict, quantization: dict, where: str) -> dict:
 QUANTIZATIONS = {"fp8": (fp8_blocks, lambda q: f"its FP8 weights (quantization_config: fp8, blocks of "
                                                f"{' x '.join(map(str, q.get('weight_block_size') or (128, 128)))}) "
                                                f"are dequantized to fp32 as they are read; training and an export keep "
-                                               f"them in full precision")}
+                                               f"them in full precision"),
+                 # gpt-oss's published folders: the experts' weights as 4-bit floats, 32 a power-of-two scale
+                 "mxfp4": (lambda tensors, quantization, where: mxfp4_dequantized(tensors),
+                           lambda q: "its MXFP4 experts (quantization_config: mxfp4) are dequantized to fp32 as they "
+                                     "are read; training and an export keep them in full precision")}
 
 
 def quantization_of(config: dict, where: str) -> dict | None:

@@ -1,6 +1,6 @@
 """Reading safetensors files (a Hugging Face folder's weights) without the safetensors library:
-every tensor as fp32 (a float8 one as it is: hf_quantized.py reads it by its scales), a damaged or
-truncated file refused in one line that names it."""
+every tensor as fp32 (a quantized one as it is: float8 and uint8 tensors, which hf_quantized.py
+reads by their scales), a damaged or truncated file refused in one line that names it."""
 import json
 import math
 import os
@@ -11,13 +11,15 @@ from fsdp_gpt.config import UserError
 from fsdp_gpt.files import read_json
 
 SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-# quantized weights and their scales, kept in their dtype (never read as if they were full precision)
-FLOAT8_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F8_E8M0": torch.float8_e8m0fnu}
+# quantized weights and their scales, kept in their dtype (never read as if they were full precision):
+# fine-grained FP8's float8 blocks, MXFP4's uint8 blocks and scales (gpt-oss's)
+QUANTIZED_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F8_E8M0": torch.float8_e8m0fnu,
+                    "U8": torch.uint8}
 
 
 def read_safetensors(folder: str) -> dict:
     """Every tensor of model.safetensors, or of the files model.safetensors.index.json names, as fp32
-    (float8 ones in their dtype)."""
+    (quantized ones in their dtype)."""
     index = os.path.join(folder, "model.safetensors.index.json")
     if os.path.isfile(index):
         weight_map = read_json(index, "init_from: the folder is damaged: download the model again",
@@ -60,10 +62,10 @@ def _read_safetensors_file(path: str) -> dict:
                 dtype, shape, (start, end) = meta["dtype"], meta["shape"], meta["data_offsets"]
             except (KeyError, TypeError, ValueError):
                 raise refuse(f"tensor {key}'s header entry lacks dtype, shape or data_offsets")
-            if dtype not in SAFETENSORS_DTYPES | FLOAT8_DTYPES:
-                raise refuse(f"tensor {key} is {dtype}; F32, F16, BF16 and (with their scales) {', '.join(FLOAT8_DTYPES)} "
+            if dtype not in SAFETENSORS_DTYPES | QUANTIZED_DTYPES:
+                raise refuse(f"tensor {key} is {dtype}; F32, F16, BF16 and (with their scales) {', '.join(QUANTIZED_DTYPES)} "
                              f"are read")
-            as_stored = (SAFETENSORS_DTYPES | FLOAT8_DTYPES)[dtype]
+            as_stored = (SAFETENSORS_DTYPES | QUANTIZED_DTYPES)[dtype]
             needed = math.prod(shape) * as_stored.itemsize
             if not 0 <= start <= end <= data_size:
                 raise refuse(f"tensor {key} lies at data bytes {start:,}..{end:,}, past the data's end ({data_size:,} "
@@ -74,5 +76,5 @@ def _read_safetensors_file(path: str) -> dict:
             raw = torch.frombuffer(bytearray(f.read(needed)), dtype=torch.uint8) if needed else \
                 torch.empty(0, dtype=torch.uint8)
             tensor = raw.view(as_stored).reshape(shape)
-            tensors[key] = tensor if dtype in FLOAT8_DTYPES else tensor.float()
+            tensors[key] = tensor if dtype in QUANTIZED_DTYPES else tensor.float()
     return tensors

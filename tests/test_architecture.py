@@ -23,9 +23,10 @@ LAYER_OF = {group: i for i, groups in enumerate(LAYERS) for group in groups}
 
 # modules at the package's top that belong to another's group
 GROUP_OF = {"config_help": "config", "config_parse": "config", "config_checks": "config", "moe": "model", "attention": "model", "loss": "model",
-            "rope": "model", "linear_attention": "model", "latent_attention": "model", "hf_quantized": "hf_format",
+            "attention_kernels": "model", "rope": "model", "linear_attention": "model", "latent_attention": "model",
+            "hf_quantized": "hf_format",
             "model_keys": "families", "family_parts": "families", "safetensors_file": "hf_format",
-            "hf_whole_folder": "hf_format"}
+            "hf_whole_folder": "hf_format", "mxfp4": "hf_format"}
 
 
 def group(module: str) -> str:
@@ -110,14 +111,15 @@ def test_layers_import_downwards():
     assert not wrong, wrong
 
 
-MODEL_FILES = ["model.py", "moe.py", "attention.py", "loss.py", "rope.py", "linear_attention.py", "latent_attention.py"]
+MODEL_FILES = ["model.py", "moe.py", "attention.py", "attention_kernels.py", "loss.py", "rope.py", "linear_attention.py",
+               "latent_attention.py"]
 
 
 @pytest.mark.parametrize("module", MODEL_FILES)
 def test_model_is_plain_pytorch(module):
     """The model's files import torch, not torch.distributed, and of the project only each other."""
     assert {name for name in imports(os.path.join(PACKAGE, module)) if name.startswith(("fsdp_gpt", "torch.distributed"))} \
-        <= {f"fsdp_gpt.{file[:-3]}" for file in MODEL_FILES} | {"fsdp_gpt.model_keys", "fsdp_gpt.compat"}
+        <= {f"fsdp_gpt.{name.removesuffix('.py')}" for name in MODEL_FILES} | {"fsdp_gpt.model_keys", "fsdp_gpt.compat"}
 
 
 @pytest.mark.parametrize("module", sorted(os.path.relpath(path, PACKAGE) for path in glob.glob(os.path.join(PACKAGE, "families", "*.py")))

@@ -79,11 +79,13 @@ def gemma3_folder(tmp_path_factory) -> str:
     return str(folder)
 
 
-def exported_as_it_came(folder, checkpoint, export, keys_of_5: tuple[str, ...], rows: int = 64) -> dict:
+def exported_as_it_came(folder, checkpoint, export, keys_of_5: tuple[str, ...], rows: int = 64,
+                        loading: dict | None = None) -> dict:
     """A checkpoint kept by a step at learning rate 0 and its export: the checkpoint's model gives
     transformers' logits of the folder within 1e-4 on rows of 64 (longer than any window here; `rows`), the
     export loads as the folder's class with its weights and logits exactly, and so does it without the
-    keys only transformers 5 reads (keys_of_5: what is left is what 4.5x reads). The export's config.json."""
+    keys only transformers 5 reads (keys_of_5: what is left is what 4.5x reads). loading: how transformers
+    loads the folder (an MXFP4 folder's dequantize). The export's config.json."""
     import json
     import shutil
 
@@ -95,8 +97,8 @@ def exported_as_it_came(folder, checkpoint, export, keys_of_5: tuple[str, ...], 
     shutil.copytree(export, export.parent / "as_4_reads")
     (export.parent / "as_4_reads" / "config.json").write_text(json.dumps({k: v for k, v in config.items()
                                                                          if k not in keys_of_5}))
-    original, exported, read_as_4 = (AutoModelForCausalLM.from_pretrained(path).eval()
-                                     for path in (folder, export, export.parent / "as_4_reads"))
+    original = AutoModelForCausalLM.from_pretrained(folder, **(loading or {})).eval()
+    exported, read_as_4 = (AutoModelForCausalLM.from_pretrained(path).eval() for path in (export, export.parent / "as_4_reads"))
     assert type(exported) is type(original) is type(read_as_4)
     assert all(torch.equal(a, exported.state_dict()[name]) for name, a in original.state_dict().items())
     ours = load_gpt(str(checkpoint), torch.device("cpu"))[0]

@@ -73,6 +73,12 @@ MODELS = {
                                         moe_dense_layers=1, moe_norm_top_k=False, moe_groups=4, moe_top_groups=2,
                                         rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=8,
                                                           mscale=0.707, mscale_all_dim=0.707))),
+    # sinks, biases everywhere, a local layer then a global one, YaRN stretching 8 positions 4 times over rows
+    # of 32 (its attention factor 1.14), 4 experts of clamped SwiGLU, the top 2 weighed by a softmax
+    "gpt_oss": ("gpt-oss", dict(arch="gpt_oss", n_kv_head=2, sliding_window=8, window_pattern=["local", "global"],
+                                rope_theta=15e4, moe_experts=4, moe_top_k=2, moe_hidden=32,
+                                rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=8,
+                                                  beta_fast=32.0, beta_slow=1.0, truncate=False))),
 }
 
 
@@ -112,18 +118,27 @@ def test_each_family_builds_what_its_entry_says(model):
         ATTENTIONS[family.attention] if cfg.mixer_of(i) == "full" else MIXERS[cfg.mixer_of(i)] for i in range(cfg.n_layer)]
     block = next(block for block in gpt.blocks if isinstance(block.attn, ATTENTIONS[family.attention]))  # the entry's
     mlp = block.mlp.shared if isinstance(block.mlp, MoE) else block.mlp  # a mixture's dense MLP: its shared experts
-    for linear in ALL_BIASES if family.attention == "mha" else ():  # a latent attention's linears have none
+    for linear in dict.fromkeys(ALL_BIASES + family.biases) if family.attention == "mha" else ():
         owner, name = linear.split(".")
-        assert (getattr(mlp if owner == "mlp" else block.attn, name).bias is not None) == (linear in family.biases and
-                                                                                             cfg.bias), linear
+        # a mixture's router and experts (gpt-oss's biased), or the attention's and dense MLP's linears
+        module = getattr(block.mlp, name, None) if name in ("router", "experts") else getattr(
+            mlp if owner == "mlp" else block.attn, name, None)
+        if module is None:  # a dense MLP's linears in a block of experts alone, or a mixture's in a dense block
+            assert name in ("router", "experts") or mlp is None, linear
+            continue
+        biased = module.bias is not None if isinstance(module, torch.nn.Linear) else hasattr(module, "c_fc_bias")
+        assert biased == (linear in family.biases and cfg.bias), linear
+    # a latent attention's linears have no biases, nor its heads sinks
     assert all(m.bias is None for m in block.attn.modules() if isinstance(m, torch.nn.Linear)) or family.attention == "mha"
+    assert (getattr(block.attn, "sinks", None) is not None) == family.sinks
     before, after = NORM_PLACES[family.norms]
     assert [type(getattr(block, name)) is not torch.nn.Identity for name in ("ln_1", "ln_2", "ln_attn_out", "ln_mlp_out")
             ] == [before, before, after, after]
     assert hasattr(block.attn, "ln_q") == cfg.qk_norm
     if cfg.qk_norm:  # each head's width or the whole projection's
         assert (block.attn.ln_q.weight.numel(), block.attn.ln_k.weight.numel()) == QK_NORM_WIDTHS[family.qk_norm_scope](cfg)
-    assert mlp.activation is ACTIVATIONS[options.get("mlp", family.mlp)]
+    activated = block.mlp.experts if isinstance(block.mlp, MoE) else block.mlp
+    assert activated.activation is ACTIVATIONS[options.get("mlp", family.mlp)]
     # a gated family's gate rows beside the queries' (a latent attention has no c_attn)
     assert family.attention != "mha" or block.attn.c_attn.out_features == sum(cfg.qkv_widths) == (
         (1 + family.attn_gate) * cfg.n_head * cfg.head_dim + 2 * cfg.n_kv_head * cfg.head_dim)
@@ -315,9 +330,9 @@ def test_a_window_no_layer_slides_is_not_exported(arch, tmp_path):
         assert torch.allclose(hf_model(cfg, ours.state_dict())(idx).logits, ours(idx)[0], rtol=1e-4, atol=1e-4)
 
 
-# Llama's folder and its refinements': GPT-2's, Gemma 3's, Qwen3-MoE's and DeepSeek's folders need keys it lacks
-@pytest.mark.parametrize("family", [f for f in FAMILIES if f.arch not in ("gpt2", "gemma3") and "moe_experts" not in f.when
-                                    and f.attention == "mha"],
+# Llama's folder and its refinements': GPT-2's, Gemma 3's, Qwen3-MoE's, gpt-oss's and DeepSeek's folders need keys it lacks
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f.arch not in ("gpt2", "gemma3", "gpt_oss")
+                                    and "moe_experts" not in f.when and f.attention == "mha"],
                          ids=lambda family: family.name)
 def test_a_folder_silent_on_a_key_reads_as_its_class_does(family, tmp_path):
     """config.json without rms_norm_eps, the RoPE base, the window or the tying: each is what the

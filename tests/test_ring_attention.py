@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from attention_check import largest_differences
+from attention_check import largest_differences, sink_cases
 from conftest import DEMO, ROOT, RUN, checkpoint_of, launch, launcher_once, run_trainer, scalars
 from test_context_parallel import assert_parity, logged
 from test_doc_mask import short_corpus  # noqa: F401 - the fixture
@@ -25,12 +25,13 @@ from fsdp_gpt.distributed.ring_attention import ring_refusal
 def test_ring_attention_is_whole_row_attention(nproc, tmp_path):
     """Outputs and the gradients of q, k and v within float rounding of attention over whole rows,
     with documents, with grouped and single key/value heads, and within sliding windows wider than a
-    chunk (at 4 ranks, more than two); nothing left in reference cycles (a block in flight held until
+    chunk (at 4 ranks, more than two); with attention sinks through the ring and Ulysses, the sinks'
+    gradients summed over the ranks; nothing left in reference cycles (a block in flight held until
     the garbage collector ran: activation memory grew with the ring's size)."""
     result = launch([os.path.join(ROOT, "tests", "ring_probe.py")], str(tmp_path), nproc)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
-    assert len(report) == 8
+    assert len(report) == 12
     for case, (largest, cycles) in report.items():
         assert largest < 1e-5 and cycles == 0, (case, largest, cycles)
 
@@ -44,9 +45,10 @@ TOLERANCE = {"float32": 1e-5, "bfloat16": 3e-2}
 def test_ring_kernels_and_per_document_calls_are_masked_attention(dtype):
     """tests/attention_check.py on the CPU: blocks merged by log-sum-exp and their backward with the
     merged output, per-document calls, and the one-rank ring with documents; a sliding window over
-    rows and documents, through the bands and the ring's windowed tiles: against a dense mask."""
+    rows and documents, through the bands and the ring's windowed tiles; each of them with attention
+    sinks (gpt-oss's), the sinks' gradients too: against a dense mask."""
     figures = largest_differences("cpu", getattr(torch, dtype))
-    assert len(figures) == 7 and max(figures.values()) < TOLERANCE[dtype], figures
+    assert len(figures) == 13 and max(figures.values()) < TOLERANCE[dtype], figures
 
 
 def test_zigzag_pieces_cover_each_row_once_and_balance_the_causal_work():
@@ -137,3 +139,23 @@ def test_ring_refuses_where_its_kernels_cannot_run():
     assert "on CUDA in bf16 or fp16" in ring_refusal(a100, torch.float32)
     v100 = Chip("cuda", "Tesla V100-SXM2-16GB", (7, 0))
     assert "here cuda in torch.float16 is not built" in ring_refusal(v100, torch.float16)
+
+
+def test_sinks_take_the_written_out_kernel_where_no_fused_one_runs(monkeypatch):
+    """Attention sinks need a kernel that returns the log-sum-exp: the CPU's flash (fp32, bf16) or CUDA's
+    (bf16, fp16 from sm80; no mask); elsewhere (CUDA in fp32, a V100, a window's bands on CUDA) attention
+    written out in fp32. Here, the sink cases of tests/attention_check.py through it as such a GPU runs them
+    (whole rows, windows, documents; the ring's kernels and windowed tiles stay as they are)."""
+    import types
+
+    from fsdp_gpt import attention_kernels
+    cuda = types.SimpleNamespace(device=torch.device("cuda", 0), dtype=torch.bfloat16)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert attention_kernels.lse_kernels(cuda) is attention_kernels.KERNELS["cuda"]
+    assert attention_kernels.lse_kernels(cuda, masked=True) is attention_kernels.WRITTEN_OUT
+    assert attention_kernels.lse_kernels(types.SimpleNamespace(device=cuda.device, dtype=torch.float32)) is \
+        attention_kernels.WRITTEN_OUT
+    assert attention_kernels.lse_kernels(torch.zeros(1)) is attention_kernels.KERNELS["cpu"]
+    monkeypatch.setattr(attention_kernels, "fused_lse_runs", lambda device, dtype: False)
+    figures = largest_differences("cpu", torch.float32, cases=(sink_cases,))
+    assert len(figures) == 6 and max(figures.values()) < 1e-5, figures

@@ -14,13 +14,14 @@ from typing import Callable
 from fsdp_gpt.families.deepseek import DEEPSEEK_V2, DEEPSEEK_V3
 from fsdp_gpt.families.gemma3 import GEMMA3
 from fsdp_gpt.families.gpt2 import GPT2
+from fsdp_gpt.families.gpt_oss import GPT_OSS
 from fsdp_gpt.families.llama import LLAMA, QWEN3, QWEN3_MOE
 from fsdp_gpt.families.llama_kin import MISTRAL, OLMO2, OLMO3, PHI3, QWEN2, SMOLLM3
 from fsdp_gpt.families.qwen3_5 import QWEN3_5, QWEN3_5_MOE
 from fsdp_gpt.family_parts import Family
 
 FAMILIES = (GPT2, LLAMA, QWEN3, QWEN3_MOE, GEMMA3,  # each layout's plain family first, its refinements after it
-            QWEN2, MISTRAL, OLMO2, OLMO3, PHI3, SMOLLM3, QWEN3_5, QWEN3_5_MOE, DEEPSEEK_V3, DEEPSEEK_V2)
+            QWEN2, MISTRAL, OLMO2, OLMO3, PHI3, SMOLLM3, QWEN3_5, QWEN3_5_MOE, DEEPSEEK_V3, DEEPSEEK_V2, GPT_OSS)
 ARCHS = tuple(dict.fromkeys(family.arch for family in FAMILIES))
 FAMILY_KEYS = frozenset().union(*(family.takes for family in FAMILIES))  # the keys some family lacks
 

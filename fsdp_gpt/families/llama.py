@@ -41,6 +41,7 @@ def rope_scaling(kind: str, rope: dict, config: dict) -> dict:
 def llama_keys(config: dict, defaults: dict = LLAMA_DEFAULTS) -> dict:
     refuse_unbuilt(config, LLAMA_UNBUILT)
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
     n_head = config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // n_head
     return dict(arch="llama", vocab_size=config["vocab_size"], block_size=config["max_position_embeddings"],
