@@ -311,7 +311,7 @@ def read_hf_folder(folder: str) -> tuple[dict, dict]:
     state = {}
     for name, like in expected.items():
         try:
-            state[name] = their_weight(tensors, cfg.family, name, like, cfg.moe_experts)
+            state[name] = their_weight(tensors, cfg.family, name, like, cfg.moe_experts).contiguous()
         except KeyError as e:
             raise UserError(f"init_from: {folder}/ has no tensor {e.args[0]!r}, which its config's "
                             f"{cfg.family.hf_class} holds")
