@@ -203,6 +203,9 @@ def test_transformers_computes_the_same_logits_and_the_folder_reads_back(model, 
         hf.save_pretrained(tmp_path)
         keys, state = read_hf_folder(str(tmp_path))  # init_from's reader: no transformers involved
         assert GPTConfig(**keys) == cfg
+        # as rank 0 broadcasts them into the shards: a transposed view (GPT-2's, gpt-oss's experts) arrived in
+        # its memory order, another model than one process's
+        assert all(tensor.is_contiguous() for tensor in state.values())
         back = GPT(GPTConfig(**keys)).eval()
         back.load_state_dict(state)
         assert torch.equal(back(idx)[0], expected)
