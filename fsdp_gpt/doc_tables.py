@@ -29,7 +29,8 @@ NORMS = {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm", "rmsnorm_offset": "RMSN
 NORM_PLACES = {"before": "before each sublayer", "after": "after each sublayer (before the residual add)",
                "both": "before and after each sublayer"}
 POSITIONS = {"learned": "learned positions", "rope": "RoPE"}
-MLPS = {"gelu": "tanh-GELU MLP", "swiglu": "SwiGLU", "geglu": "GeGLU", "relu2": "ReLU² MLP"}
+MLPS = {"gelu": "tanh-GELU MLP", "swiglu": "SwiGLU", "geglu": "GeGLU", "relu2": "ReLU² MLP",
+        "clamped_swiglu": "clamped SwiGLU (gpt-oss's)"}
 QK_NORM_SCOPES = {"head": "per head", "projection": "over their whole projections"}
 ATTENTIONS = {"latent": "multi-head latent attention"}  # multi-head (grouped-query) attention goes unsaid
 
@@ -63,6 +64,8 @@ def layout(family: Family) -> str:
         parts.append(f"q and k normalised {_word(QK_NORM_SCOPES, family.qk_norm_scope)}")
     if family.embed_scale:
         parts.append("embeddings times sqrt(`n_embd`)")
+    if family.sinks:
+        parts.append("an attention sink per head")
     parts.append("biases on every linear" if set(family.biases) == set(ALL_BIASES) else
                  f"biases on {', '.join(f'`{b}`' for b in family.biases)}" if family.biases else "no biases")
     parts.append("tied head" if family.tied else "untied head")
