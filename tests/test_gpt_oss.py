@@ -269,15 +269,13 @@ def test_n_ranks_train_the_run_of_one_process(reference, name, trained):
 @pytest.mark.slow
 def test_the_resume_at_ep_size_2_is_bitwise_and_resharded_to_one_process(trained):
     """ep_size 2's sharded set of step 2: on its own layout, steps 3 and 4 bit for bit; on one process, with
-    activation checkpointing and compile (the sinks' kernels and the experts' biases traced in the blocks),
-    within 1e-4."""
+    activation checkpointing (the sinks' kernels recomputed in backward), within 1e-4."""
     original = logged(trained("ep2"))["train/loss"]
     checkpoint = os.path.join(trained("ep2"), "ckpt", "fsdp_sharded_cpt2_rank0.pth")
     for name, nproc, switches in (("resumed_ep2", 2, dict(ep_size=2)),
-                                  ("resumed_one", 1, dict(activation_checkpointing=True, compile=True))):
+                                  ("resumed_one", 1, dict(activation_checkpointing=True))):
         run_dir = trained(name, nproc, resume_from=checkpoint, **switches)
         got = logged(run_dir)["train/loss"]
         assert sorted(got) == [3, 4], name
-        assert "recompile_limit" not in open(os.path.join(run_dir, "stderr.txt")).read()
         for step in got:
             assert got[step] == original[step] if nproc == 2 else got[step] == pytest.approx(original[step], rel=1e-4)
