@@ -58,9 +58,12 @@ def main() -> None:
           f"experts of {args.width}, top {args.top_k}, against a dense MLP of {args.top_k * args.width}; "
           f"{args.width} wide, 4 layers")
     rates = {side: [] for side in runs}
+    workdirs = {side: os.path.join(ROOT, "bench", "runs", "moe_twin", side) for side in runs}
+    for workdir in workdirs.values():
+        os.makedirs(workdir, exist_ok=True)
     for round_ in range(args.rounds):  # alternate: drifts of a shared machine hit both sides alike
-        got = in_turn(*(lambda side=side: trainer_rate(1, os.path.join(ROOT, "bench", "runs", "moe_twin", side),
-                                                       width=args.width, **runs[side]) for side in runs), round_)
+        got = in_turn(*(lambda side=side: trainer_rate(1, workdirs[side], width=args.width, **runs[side]) for side in runs),
+                      round_)
         for side, rate in zip(runs, got):
             rates[side].append(rate)
         print("  " + ", ".join(f"{side} {rate:,.0f} tok/s" for side, rate in zip(runs, got)), flush=True)

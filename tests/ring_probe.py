@@ -35,6 +35,7 @@ CASES = {"causal": (4, 4, None, None, "ring", False),
          "window wider than a chunk, documents": (4, 2, DOCUMENTS, 13, "ring", False),
          "sinks, grouped heads": (4, 2, None, None, "ring", True),
          "sinks, window wider than a chunk, documents": (4, 2, DOCUMENTS, 13, "ring", True),
+         "ulysses, documents": (12, 12, DOCUMENTS, None, "ulysses", False),
          "ulysses, sinks, documents": (12, 12, DOCUMENTS, None, "ulysses", True),
          "ulysses, sinks, window": (12, 12, None, 20, "ulysses", True)}
 

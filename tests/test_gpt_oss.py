@@ -32,7 +32,10 @@ MXFP4 = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.sel
 
 def make_folder(folder: str) -> None:
     """GptOssForCausalLM saved by transformers, every weight away from its start, then its experts' matrices
-    replaced by MXFP4 blocks of random codes and scales of 2^-7 .. 2^0, as config.json's quantization_config says;
+    replaced by MXFP4 blocks of random codes and scales of 2^-7 .. 2^-4, as config.json's quantization_config says
+    (weights up to 0.375: with scales to 2^0 a quarter of the gates passed the clamp at 7, and one near it fell on
+    the other side in 2 ranks' rounding, its gradient with it, likely: a grad norm 7e-5 from one process's at equal
+    losses and routing);
     a byte-level tokenizer beside it (gpt-oss's o200k is one too)."""
     from safetensors.torch import load_file, save_file
     from transformers import GptOssConfig, GptOssForCausalLM
@@ -50,7 +53,7 @@ def make_folder(folder: str) -> None:
         experts, rows_in, rows_out = tensors.pop(name).shape  # (experts, in, out): stored by output row
         tensors[f"{name}_blocks"] = torch.randint(0, 256, (experts, rows_out, rows_in // 32, 16), generator=g,
                                                   dtype=torch.uint8)
-        tensors[f"{name}_scales"] = torch.randint(120, 128, (experts, rows_out, rows_in // 32), generator=g,
+        tensors[f"{name}_scales"] = torch.randint(120, 124, (experts, rows_out, rows_in // 32), generator=g,
                                                   dtype=torch.uint8)
     save_file(tensors, path, metadata={"format": "pt"})
     config = json.loads(open(os.path.join(folder, "config.json")).read())
