@@ -31,7 +31,7 @@ def test_ring_attention_is_whole_row_attention(nproc, tmp_path):
     result = launch([os.path.join(ROOT, "tests", "ring_probe.py")], str(tmp_path), nproc)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
-    assert len(report) == 12
+    assert len(report) == 13
     for case, (largest, cycles) in report.items():
         assert largest < 1e-5 and cycles == 0, (case, largest, cycles)
 
