@@ -56,8 +56,8 @@ def head_loss_chunk(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
         dz = torch.exp(z - lse[:, None]) - one_hot.to(z.dtype)
     else:
         # eager: each op is a pass over the chunk's logits, so the fewest: one log-softmax kernel, its
-        # exponent in place (the softmax), and the one-hot's -1 at one element a row (nine passes
-        # before: 3 ms of a 4 x 128 step's 200 on a CPU thread, docs/performance.md)
+        # exponent in place (the softmax), and the one-hot's -1 at one element a row (nine passes before:
+        # the chunk at 4 x 128's shape, 2,048 rows, 32.0 ms -> 22.8, F.cross_entropy's 20.6, docs/performance.md)
         log_probs = torch.log_softmax(z, dim=-1)
         losses = -log_probs.gather(-1, targets[:, None]).squeeze(-1)
         if not grads:
