@@ -148,8 +148,9 @@ ROWS = [
 ]
 
 
-def whole_logits_loss(h, weight, targets, softcap=None, chunk_fn=None):
-    """The loss before loss.py: the whole (B, T, V) logits, then cross-entropy in fp32."""
+def whole_logits_loss(h, weight, targets, softcap=None, chunk_fn=None, chunks_for=None):
+    """The loss before loss.py (chunked_cross_entropy's arguments): the whole (B, T, V) logits, then
+    cross-entropy in fp32."""
     import torch
     import torch.nn.functional as F
     logits = h @ weight.t()
