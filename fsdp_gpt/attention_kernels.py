@@ -20,15 +20,23 @@ import torch
 aten = torch.ops.aten
 
 
+def _at_q_heads(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    """k or v (B, kv heads, L, D) at q's head count, each kv head serving its group of query heads: the
+    CPU kernel's backward on torch 2.8 reads k and v at q's heads (a grouped call crashed the process)."""
+    return kv.repeat_interleave(q.shape[1] // kv.shape[1], dim=1) if kv.shape[1] != q.shape[1] else kv
+
+
 def _cpu_forward(q, k, v, causal: bool, scale: float | None, mask: torch.Tensor | None = None):
-    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=_additive(mask, q),
-                                                                 scale=scale)
+    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, _at_q_heads(q, k), _at_q_heads(q, v), 0.0, causal,
+                                                                 attn_mask=_additive(mask, q), scale=scale)
     return out, lse, ()
 
 
 def _cpu_backward(dout, q, k, v, out, lse, aux, causal: bool, scale: float | None, mask: torch.Tensor | None = None):
-    return aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal,
-                                                                     attn_mask=_additive(mask, q), scale=scale)
+    dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, _at_q_heads(q, k), _at_q_heads(q, v), out, lse, 0.0, causal, attn_mask=_additive(mask, q), scale=scale)
+    # a group's query heads' gradients summed into their kv head's
+    return dq, dk.unflatten(1, (k.shape[1], -1)).sum(2), dv.unflatten(1, (v.shape[1], -1)).sum(2)
 
 
 def _additive(mask: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:

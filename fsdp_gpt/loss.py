@@ -45,25 +45,14 @@ def head_loss_chunk(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
     if softcap:  # in fp32, as the speedruns cap: in bf16 its gradient is off by ~2e-3 relative
         capped = torch.tanh(z / softcap)
         z = softcap * capped
-    if torch.compiler.is_compiling():
-        # compiled: softmax - one-hot, the one-hot as a comparison: all pointwise, so compile makes one
-        # pass that reads the chunk's logits and writes their gradient (a scatter would write an fp32 copy first)
-        lse = torch.logsumexp(z, dim=-1)
-        losses = lse - z.gather(-1, targets[:, None]).squeeze(-1)
-        if not grads:
-            return losses, None, None
-        one_hot = targets[:, None] == torch.arange(z.shape[-1], device=z.device)
-        dz = torch.exp(z - lse[:, None]) - one_hot.to(z.dtype)
-    else:
-        # eager: each op is a pass over the chunk's logits, so the fewest: one log-softmax kernel, its
-        # exponent in place (the softmax), and the one-hot's -1 at one element a row (nine passes before:
-        # the chunk at 4 x 128's shape, 2,048 rows, 32.0 ms -> 22.8, F.cross_entropy's 20.6, docs/performance.md)
-        log_probs = torch.log_softmax(z, dim=-1)
-        losses = -log_probs.gather(-1, targets[:, None]).squeeze(-1)
-        if not grads:
-            return losses, None, None
-        dz = log_probs.exp_()
-        dz.scatter_add_(-1, targets[:, None], torch.full((len(targets), 1), -1.0, device=z.device))
+    lse = torch.logsumexp(z, dim=-1)
+    losses = lse - z.gather(-1, targets[:, None]).squeeze(-1)
+    if not grads:
+        return losses, None, None
+    # softmax - one-hot, the one-hot as a comparison: all pointwise, so compile makes one pass that
+    # reads the chunk's logits and writes their gradient (a scatter would write an fp32 copy first)
+    one_hot = targets[:, None] == torch.arange(z.shape[-1], device=z.device)
+    dz = torch.exp(z - lse[:, None]) - one_hot.to(z.dtype)
     if softcap:
         dz = dz * (1 - capped * capped)
     dlogits = dz.to(logits.dtype)  # where the plain head's backward casts too (logits.float()'s backward)

@@ -44,6 +44,30 @@ TINY = dict(n_layer=2, n_head=2, n_embd=64, block_size=32, dropout=0.0, dtype="f
             sample_tokens=0)
 
 
+# the classes the tests compare with as transformers 5 computes them: 4.51 (CI's oldest venv) has none of
+# them or, DeepSeek V3's, one that predates rope_parameters
+TRANSFORMERS_5_CLASSES = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "GptOssForCausalLM", "Qwen3_5ForCausalLM",
+                          "Qwen3_5MoeForCausalLM", "Olmo3ForCausalLM")
+
+
+def needs_transformers(what: str, major: int = 5) -> None:
+    """A test that compares with transformers' code (a class, an integration) skips, saying so, on a
+    transformers older than the one that brought it."""
+    import transformers
+    if int(transformers.__version__.split(".")[0]) < major:
+        pytest.skip(f"transformers {transformers.__version__} predates {what} (transformers {major}'s)")
+
+
+def needs_class(architecture: str) -> None:
+    """A family's reference class: skipped, saying so, where the installed transformers lacks it (SmolLM3
+    arrived in 4.53) or has it only as it was before transformers 5."""
+    import transformers
+    if not hasattr(transformers, architecture):
+        pytest.skip(f"transformers {transformers.__version__} has no {architecture}")
+    if architecture in TRANSFORMERS_5_CLASSES:
+        needs_transformers(architecture)
+
+
 def counted_parameters(config: str, *args: str) -> int:
     """The parameters the trainer counts for a config and its overrides: GPT.num_params on the meta
     device, as build_model counts them before it prints them (the demo's test reads that line)."""

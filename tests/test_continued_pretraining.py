@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, assert_quiet, launch, overrides, scalars, shared, tool
+from conftest import ROOT, assert_quiet, launch, needs_class, overrides, scalars, shared, tool
 from test_hf_tokenizer import make_sentencepiece_tokenizer, make_tokenizer, write_docs
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
@@ -451,8 +451,7 @@ def family_folder(tmp_path_factory, name: str, inside: tuple[str, dict, dict] | 
     import transformers
     architecture, keys, kind, tokenizer_class = FOLDERS[name]
     architecture, others, files = inside or (architecture, None, {})
-    if not hasattr(transformers, architecture):
-        pytest.skip(f"transformers {transformers.__version__} has no {architecture}")
+    needs_class(architecture)
 
     def make(folder: str) -> None:
         text = {k: v for k, v in (SHAPE | keys).items() if v is not NOT_IN_CLASS}

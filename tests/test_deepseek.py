@@ -20,6 +20,7 @@ from fsdp_gpt.latent_attention import latent_scale, one_head_size
 from fsdp_gpt.model import GPT, GPTConfig
 from fsdp_gpt.rope import rotary, yarn_scaled
 from test_window import window_mask
+from conftest import needs_class, needs_transformers
 
 SMALL = dict(vocab_size=128, block_size=32, n_layer=2, n_head=4, n_embd=64)
 LATENT = dict(kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12)
@@ -59,6 +60,7 @@ YARN = {  # DeepSeek V3's kind (mscale over mscale_all_dim), the plain factor's,
 def test_yarn_is_transformers_and_deepseeks_scale_takes_its_mscale(kind):
     """The frequencies and the attention factor against transformers' _compute_yarn_parameters, at
     the width MLA turns; the softmax scale against its DeepSeek classes' yarn_apply_mscale."""
+    needs_transformers("DeepSeek's yarn_apply_mscale")
     from transformers import DeepseekV3Config
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_apply_mscale
@@ -84,6 +86,7 @@ def test_the_choice_of_experts_is_transformers_routers(family):
     """Grouped top-k over 16 experts in 4 groups (the best 2 groups), against DeepseekV3TopkRouter
     (sigmoid, the selection bias, a group ranked by its best two, renormalised, scaled) and
     DeepseekV2TopkRouter (softmax, group_limited_greedy: a group ranked by its best, scaled)."""
+    needs_transformers("DeepSeek's TopkRouter classes")
     import importlib
 
     import transformers
@@ -129,6 +132,7 @@ def quantized(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
 def test_fp8_blocks_dequantize_as_transformers(shape):
     """Block-scaled FP8 (weight_scale_inv) made full precision as transformers' finegrained_fp8 does it:
     its backward's dequantization (edge blocks) and its loader's (whole blocks), bit for bit."""
+    needs_transformers("its finegrained_fp8 dequantization")
     from transformers.integrations.finegrained_fp8 import Fp8Dequantize, _dequantize_fp8_weight
     weight, scale = quantized(torch.randn(shape, generator=torch.Generator().manual_seed(0)), 16)
     ours = block_dequantized(weight, scale, (16, 16))
@@ -179,6 +183,7 @@ def test_an_fp8_folder_is_read_dequantized_and_says_so(v3_folder, tmp_path):
     (blocks of 16 here, so that the edges of these small matrices are cut short), the rest bf16: read
     as transformers dequantizes them, the note at start-up says so; the same files without their
     quantization_config, and a method not built here, are refused by name."""
+    needs_transformers("its finegrained_fp8 dequantization")
     import shutil
 
     from safetensors.torch import load_file
@@ -250,6 +255,7 @@ def test_a_folder_silent_on_a_key_reads_as_its_class_does(architecture, tmp_path
     """Each class's defaults where config.json is silent (V3: q through a low rank of 1536, 3 dense layers,
     8 groups, the top 4, 2.5 times the renormalised weights; V2: one shared expert more, none dense, none
     renormalised), read as transformers reads them."""
+    needs_class(architecture)
     import transformers
     model_type = {"DeepseekV3ForCausalLM": "deepseek_v3", "DeepseekV2ForCausalLM": "deepseek_v2"}[architecture]
     (tmp_path / "config.json").write_text(json.dumps(REQUIRED | dict(architectures=[architecture], model_type=model_type)))

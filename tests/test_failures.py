@@ -212,8 +212,8 @@ def test_a_damaged_file_is_named_with_torchs_whole_reason(tmp_path):
     open(path, "wb").write(data)
     with pytest.raises(RuntimeError) as torchs:
         torch.load(path, weights_only=True, mmap=True)
-    reason = str(torchs.value).splitlines()[0]
-    assert "failed reading file" in reason and len(reason) > 120
+    reason = str(torchs.value).splitlines()[0]  # ~350 characters on torch 2.13 (miniz's words), 98 on 2.8
+    assert "failed reading file" in reason
     with pytest.raises(ckpt_format.CorruptCheckpoint) as refused:
         ckpt_format.read_verified(path, mmap=True)
     assert str(refused.value) == f"checkpoint {path} is corrupt or truncated ({reason}); resume from an earlier checkpoint"

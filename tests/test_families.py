@@ -14,6 +14,7 @@ from fsdp_gpt.hf_format import fused_like, hf_config, hf_model_keys, read_hf_fol
 from fsdp_gpt.family_parts import ALL_BIASES, ONE_WINDOW, Absent
 from fsdp_gpt.model import ACTIVATIONS, ATTENTIONS, GPT, MIXERS, NORM_PLACES, NORMS, QK_NORM_WIDTHS, GPTConfig
 from fsdp_gpt.moe import MoE
+from conftest import needs_class
 
 SMALL = dict(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=64)
 # a small model of each family, and of the options its Hugging Face class maps otherwise: (family, options)
@@ -85,8 +86,7 @@ MODELS = {
 def hf_model(cfg: GPTConfig, state: dict):
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM
-    if not hasattr(transformers, cfg.family.hf_class):  # SmolLM3 arrived in transformers 4.53
-        pytest.skip(f"transformers {transformers.__version__} has no {cfg.family.hf_class}")
+    needs_class(cfg.family.hf_class)
     keys = hf_config(cfg, eot=0)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(keys.pop("model_type"), **keys)).eval()
     model.load_state_dict(fused_like(to_hf(state, cfg), model.state_dict()))
@@ -344,8 +344,7 @@ def test_a_folder_silent_on_a_key_reads_as_its_class_does(family, tmp_path):
     (ONE_WINDOW) or over the layers its default layer_types make sliding (OLMo 3's): Qwen2's and Qwen3's
     slide theirs only with use_sliding_window, which is refused."""
     import transformers
-    if not hasattr(transformers, family.hf_class):
-        pytest.skip(f"transformers {transformers.__version__} has no {family.hf_class}")
+    needs_class(family.hf_class)
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_FOLDER | dict(
         architectures=[family.hf_class], model_type=family.hf_model_type, max_position_embeddings=8192)))
     ours, theirs = hf_model_keys(str(tmp_path))[0], transformers.AutoConfig.from_pretrained(tmp_path)

@@ -13,7 +13,7 @@ import re
 import pytest
 import torch
 
-from conftest import ROOT, assert_quiet, scalars, shared
+from conftest import ROOT, assert_quiet, needs_class, needs_transformers, scalars, shared
 from fsdp_gpt.config import UserError
 from fsdp_gpt.hf_format import hf_config, hf_model_keys, read_hf_folder
 from fsdp_gpt.model import GPT, GPTConfig
@@ -65,6 +65,7 @@ def make_folder(folder: str) -> None:
 @pytest.fixture(scope="module")
 def mxfp4_folder(tmp_path_factory) -> str:
     import transformers
+    needs_class("GptOssForCausalLM")
     return shared(tmp_path_factory, f"gpt_oss_mxfp4_{transformers.__version__}", make_folder)
 
 
@@ -79,6 +80,7 @@ def dequantized_by_transformers(folder: str):
 def test_mxfp4_values_are_transformers_dequantization_bit_for_bit():
     """Every code of both nibbles under every one of the 256 scales (2^-127 .. 2^127 and 255's
     infinities), in fp32, bf16 and fp16 (which overflows early): the same bits as transformers' own."""
+    needs_transformers("its MXFP4 integration")
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
     codes = torch.arange(256, dtype=torch.uint8).view(16, 16)  # (groups, 16 bytes): each byte once
     blocks = codes.expand(1, 256, 16, 16).clone()  # (experts, rows, groups, 16)
@@ -116,6 +118,7 @@ GPT_OSS_FOLDER = dict(architectures=["GptOssForCausalLM"], model_type="gpt_oss",
 def test_a_folder_silent_on_a_key_reads_as_its_class_does(tmp_path):
     """config.json with the shapes alone: its class's YaRN (factor 32 over 4,096 positions), base 150,000,
     window 128 on every other layer from the first, 8 key/value heads of 64, eps 1e-5, an untied head."""
+    needs_class("GptOssForCausalLM")
     from transformers import AutoConfig
     (tmp_path / "config.json").write_text(json.dumps(GPT_OSS_FOLDER))
     ours, theirs = hf_model_keys(str(tmp_path))[0], AutoConfig.from_pretrained(tmp_path)

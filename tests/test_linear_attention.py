@@ -9,6 +9,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from fsdp_gpt.attention import Documents
 from fsdp_gpt.linear_attention import chunked_delta_rule, l2_normed
 from fsdp_gpt.model import GPT, GPTConfig
+from conftest import needs_transformers
 
 # grouped heads (2 key heads, each serving 2 value heads), key and value widths apart, a row of 150 tokens
 # (two chunks of 64 and a part), and a shorter chunk
@@ -19,6 +20,7 @@ HYBRID = dict(arch="llama", vocab_size=64, block_size=160, n_layer=2, n_head=4, 
 def layer_pair(dtype: torch.dtype = torch.float32, **options):
     """Our layer, its weights moved off their start, and transformers' Qwen3_5GatedDeltaNet holding the same tensors
     under the same names."""
+    needs_transformers("Qwen3.5's Gated DeltaNet")
     from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
     torch.manual_seed(0)

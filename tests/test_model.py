@@ -4,6 +4,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from fsdp_gpt.model import GPT, GPTConfig
+from conftest import needs_transformers
 
 
 def test_forward_shapes_tying_and_initial_loss():
@@ -186,6 +187,7 @@ def test_clamped_swiglu_is_gpt_oss_experts_gate_beyond_its_clamps():
     """ACTIVATIONS["clamped_swiglu"] on [gates | ups] against transformers' GptOssExperts on the same
     values interleaved (gate, up, gate, up, ... as its gate_up_proj computes them), past the clamp at 7
     on both sides: the gate clamped from above only, up from both."""
+    needs_transformers("gpt-oss's experts")
     from transformers import GptOssConfig
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 
